@@ -1,0 +1,184 @@
+"""EGA-GPT configuration: a GPT (pre-LN, learned absolute positions, tied embeddings) whose attention
+layers carry an energy gate (SPEC 1.1-1.4)."""
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+ENERGY_KINDS = ("linear", "conv", "morlet", "db2", "db4")
+ENERGY_NORMALIZATIONS = ("causal", "window", "none")
+CLASSIFIER_POOLINGS = ("last", "mean", "learned", "rmt_optimal")
+DEFAULT_KERNEL_SIZES = (3, 7, 15, 31)  # EGA-C and EGA-M scales (SPEC 1.3)
+DEFAULT_DILATIONS = (1, 2, 4, 8)  # EGA-DB2 / EGA-DB4 dyadic dilations (SPEC 1.3)
+
+# The papers' ablations as config overrides (SPEC 1.3-1.4). "BASE" is the same class without gates.
+VARIANTS = {
+    "BASE": {"energy_gate_layers": []},
+    "EGA-1": {"energy_kind": "linear", "energy_projections": 1},
+    "EGA-2": {"energy_kind": "linear", "energy_projections": 2},
+    "EGA-4": {"energy_kind": "linear", "energy_projections": 4},
+    "EGA-C": {"energy_kind": "conv"},
+    "EGA-M-F": {"energy_kind": "morlet", "morlet_learnable": False},
+    "EGA-M": {"energy_kind": "morlet", "morlet_learnable": True},
+    "EGA-DB2": {"energy_kind": "db2"},
+    "EGA-DB4": {"energy_kind": "db4"},
+}
+
+
+@strict
+class EGAConfig(PreTrainedConfig):
+    r"""
+    Configuration of an EGA-GPT model. Defaults are the authors' setup (SPEC 1.4): 6 layers, 8 heads,
+    C = 256, context 256, 65 characters, dropout 0.1, init N(0, 0.02), EGA-1 gates in every layer.
+
+    Args:
+        vocab_size (`int`): Number of token ids.
+        max_position_embeddings (`int`): Length of the learned absolute position table (the context).
+        hidden_size (`int`): Width C of the residual stream; the energy projections read all C channels.
+        num_hidden_layers (`int`): Number of transformer blocks.
+        num_attention_heads (`int`): Heads per attention layer; must divide `hidden_size`.
+        intermediate_size (`int`, *optional*): MLP width, 4 × `hidden_size` when unset.
+        hidden_act (`str`): MLP activation (GELU in the papers).
+        embd_pdrop, resid_pdrop, attn_pdrop (`float`): Dropout on embeddings, residual branches and
+            attention probabilities.
+        layer_norm_eps (`float`): LayerNorm epsilon.
+        initializer_range (`float`): Standard deviation of the N(0, σ) weight init.
+        bias (`bool`): Biases in the linear layers and LayerNorms, as in GPT-2.
+        use_cache (`bool`): Return a KV cache from forward passes (generation).
+        energy_gate_layers (`list[int]`, *optional*): Which layers carry an energy gate. `None` (default) gates
+            every layer; `[]` gives the ungated baseline with the same code path and parameter names.
+        energy_kind (`str`): How the per-key energy is computed: `"linear"` (EGA-1/2/4: one Linear(C→1) per
+            head and projection), `"conv"` (EGA-C: causal Conv1d(C→2) per head and kernel size, energy
+            = out₀² + out₁²), `"morlet"` (EGA-M / EGA-M-F: one-sided causal Morlet filters of the channel-mean
+            signal), `"db2"` / `"db4"` (Daubechies high-pass filters at dyadic dilations).
+        energy_projections (`int`): Number k of linear projections per head (EGA-k), each with its own gate.
+        energy_scales (`list[int]`, *optional*): Kernel lengths for `conv` / `morlet` (default 3, 7, 15, 31),
+            dilations for `db2` / `db4` (default 1, 2, 4, 8). Each scale has its own gate.
+        morlet_learnable (`bool`): Learn ω₀ and σ of the Morlet filters (EGA-M) or keep them fixed (EGA-M-F).
+        energy_normalization (`str`): Statistics used to z-normalise the energies: `"causal"` (default; key j
+            uses the non-padding positions ≤ j, so no future token can move a gate), `"window"` (the authors'
+            statistics over the whole sequence: **sees future tokens** in a causal LM) or `"none"`.
+        energy_norm_eps (`float`): Lower bound on the standard deviation used for normalisation.
+        gate_tau_init (`float`): Initial gate threshold τ (authors: 0).
+        gate_alpha_init (`float`): Initial gate slope α (authors: 2). With α = 0 a gate is the identity.
+        classifier_pooling (`str`): Pooling of `EGAForSequenceClassification`: `"last"` (last non-padding
+            token), `"mean"`, `"learned"` (softmax of learned per-position weights) or `"rmt_optimal"` (top
+            eigenvector of an estimated position-correlation matrix, see `hf_spectral.rmt`).
+        classifier_dropout (`float`): Dropout before the classification head.
+    """
+
+    model_type = "ega_gpt"
+    keys_to_ignore_at_inference = ["cache"]
+
+    vocab_size: int = 65
+    max_position_embeddings: int = 256
+    hidden_size: int = 256
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    intermediate_size: int | None = None
+    hidden_act: str = "gelu"
+    embd_pdrop: int | float = 0.1
+    resid_pdrop: int | float = 0.1
+    attn_pdrop: int | float = 0.1
+    layer_norm_eps: int | float = 1e-5
+    initializer_range: int | float = 0.02
+    bias: bool = True
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = True
+    energy_gate_layers: list[int] | None = None
+    energy_kind: str = "linear"
+    energy_projections: int = 1
+    energy_scales: list[int] | None = None
+    morlet_learnable: bool = True
+    energy_normalization: str = "causal"
+    energy_norm_eps: int | float = 1e-5
+    gate_tau_init: int | float = 0.0
+    gate_alpha_init: int | float = 2.0
+    classifier_pooling: str = "last"
+    classifier_dropout: int | float = 0.0
+
+    def __post_init__(self, **kwargs):
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.hidden_size
+        if self.energy_scales is None:
+            if self.energy_kind in ("conv", "morlet"):
+                self.energy_scales = list(DEFAULT_KERNEL_SIZES)
+            elif self.energy_kind in ("db2", "db4"):
+                self.energy_scales = list(DEFAULT_DILATIONS)
+        self._validate()
+        super().__post_init__(**kwargs)
+        if self.energy_normalization == "window" and self.gated_layers:
+            logger.warning(
+                "EGAConfig(energy_normalization='window'): the gate statistics are taken over the whole sequence, "
+                "so every position SEES FUTURE TOKENS. Use it to reproduce the authors' numbers or for encoders; "
+                "compare causal LMs only through the leak-free evaluation."
+            )
+
+    def _validate(self):
+        for name in ("vocab_size", "max_position_embeddings", "hidden_size", "num_hidden_layers",
+                     "num_attention_heads", "intermediate_size", "energy_projections"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads})"
+            )
+        for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop", "classifier_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"`{name}` must be in [0, 1), got {value!r}")
+        if self.energy_kind not in ENERGY_KINDS:
+            raise ValueError(f"`energy_kind` must be one of {ENERGY_KINDS}, got {self.energy_kind!r}")
+        if self.energy_normalization not in ENERGY_NORMALIZATIONS:
+            raise ValueError(
+                f"`energy_normalization` must be one of {ENERGY_NORMALIZATIONS}, got {self.energy_normalization!r}"
+            )
+        if self.classifier_pooling not in CLASSIFIER_POOLINGS:
+            raise ValueError(
+                f"`classifier_pooling` must be one of {CLASSIFIER_POOLINGS}, got {self.classifier_pooling!r}"
+            )
+        if self.energy_norm_eps <= 0:
+            raise ValueError(f"`energy_norm_eps` must be positive, got {self.energy_norm_eps!r}")
+        if self.energy_scales is not None:
+            if self.energy_kind == "linear":
+                raise ValueError("`energy_scales` applies to conv/morlet/db energies; use `energy_projections` for linear")
+            if not self.energy_scales or any(not isinstance(s, int) or s <= 0 for s in self.energy_scales):
+                raise ValueError(f"`energy_scales` must be a non-empty list of positive integers, got {self.energy_scales!r}")
+        if self.energy_gate_layers is not None:
+            bad = [i for i in self.energy_gate_layers if not isinstance(i, int) or not 0 <= i < self.num_hidden_layers]
+            if bad:
+                raise ValueError(
+                    f"`energy_gate_layers` must hold layer indices in [0, {self.num_hidden_layers}), got {bad}"
+                )
+
+    @property
+    def gated_layers(self) -> list[int]:
+        """Indices of the layers that carry an energy gate."""
+        if self.energy_gate_layers is None:
+            return list(range(self.num_hidden_layers))
+        return sorted(set(self.energy_gate_layers))
+
+    @property
+    def sees_future(self) -> bool:
+        """True when a causal LM built from this config lets future tokens move a gate (window statistics)."""
+        return self.energy_normalization == "window" and bool(self.gated_layers)
+
+    @classmethod
+    def from_variant(cls, variant: str, **kwargs) -> "EGAConfig":
+        """Config of one of the papers' models: BASE, EGA-1, EGA-2, EGA-4, EGA-C, EGA-M-F, EGA-M, EGA-DB2, EGA-DB4.
+
+        ``kwargs`` override the size or any other field, e.g. ``from_variant("EGA-1", energy_normalization="window")``.
+        """
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown EGA variant {variant!r}; choose one of {list(VARIANTS)}")
+        return cls(**{**VARIANTS[variant], **kwargs})
+
+
+__all__ = ["EGAConfig"]

@@ -1,0 +1,416 @@
+"""Energy-gated attention (SPEC 1.1-1.3), implemented once and shared by EGA-GPT and the retrofit.
+
+The gate of head h on key j is g_j = Σ_s softmax(m)_s σ(α_s (ẽ_j,s − τ_s)), with ẽ the normalised energy of the
+key's input x_j at scale s. Gating then renormalising the attention probabilities,
+Â_ij = A_ij g_j / Σ_k A_ik g_k, equals softmax_j(s_ij + log g_j): EGA is an additive, query-independent
+per-key logit bias. We therefore never build a T×T gated matrix. ``fold_bias_into_qkv`` appends one channel
+to queries and keys so that *any* attention kernel (eager, SDPA's fused causal kernel, flex) computes
+q·k·scaling + bias, and the KV cache stores each key's bias with the key itself.
+
+Dropout: the bias form gates and renormalises *before* attention dropout (dropout then acts on the gated
+probabilities); the authors gate after dropout. The two agree exactly when attention dropout is 0.
+
+Shapes: B batch, H gate heads, S energy scales, T positions, C hidden size, D head size.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # only the Daubechies energies need PyWavelets
+    import pywt
+except ImportError:  # pragma: no cover - exercised only where PyWavelets is missing
+    pywt = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure tensor functions
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def normalize_energy(
+    energy: torch.Tensor, valid: torch.Tensor | None = None, mode: str = "causal", eps: float = 1e-5
+) -> torch.Tensor:
+    """z-normalise energies along time, ignoring padding.
+
+    Args:
+        energy: (B, H, S, T) raw energies.
+        valid: (B, T) bool, False at padding; ``None`` means every position is a token.
+        mode: ``"causal"``: position j uses the mean / unbiased std of the valid positions ≤ j (ẽ = 0 while
+            the prefix holds fewer than two tokens), so no later token can change it; ``"window"``: the
+            authors' statistics over every valid position of the sequence (sees the future); ``"none"``:
+            energies pass through unchanged.
+        eps: lower bound on the standard deviation.
+
+    Returns:
+        (B, H, S, T) float32 normalised energies, 0 at padding.
+    """
+    e = energy.float()
+    if mode == "none":
+        return e if valid is None else e * valid[:, None, None, :]
+    weight = e.new_ones(e.shape[-1]) if valid is None else valid[:, None, None, :].to(e.dtype)
+    if mode == "window":
+        count = weight.sum(-1, keepdim=True)
+        mean = (e * weight).sum(-1, keepdim=True) / count.clamp(min=1)
+        var = ((e - mean).square() * weight).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
+        z = (e - mean) / var.sqrt().clamp(min=eps)
+    elif mode == "causal":
+        # Shift by the first token's energy (known to every later position, so still causal) before the
+        # running sums: keeps Σx² − n·mean² away from catastrophic cancellation when |mean| ≫ std.
+        first = weight.expand_as(e).argmax(-1, keepdim=True)
+        x = (e - e.gather(-1, first)) * weight
+        count = weight.cumsum(-1)
+        s1, s2 = x.cumsum(-1), x.square().cumsum(-1)
+        mean = s1 / count.clamp(min=1)
+        var = ((s2 - s1 * mean) / (count - 1).clamp(min=1)).clamp(min=0)
+        z = (x - mean) / var.sqrt().clamp(min=eps)
+    else:
+        raise ValueError(f"unknown energy normalisation {mode!r}; expected 'causal', 'window' or 'none'")
+    return z * ((count >= 2) & (weight > 0))
+
+
+def log_gate_bias(
+    z: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, mix_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate values and their log as an attention-logit bias.
+
+    Args:
+        z: (B, H, S, T) normalised energies.
+        tau, alpha, mix_logits: (H, S) thresholds, slopes and scale-mixing logits.
+
+    Returns:
+        bias: (B, H, T) float32, log g_j − log g(ẽ = 0). The subtracted per-head constant does not change the
+            softmax, and makes the bias exactly 0 when α = 0, so that a fresh gate is an exact identity.
+        gate: (B, H, T) the gate values g_j ∈ (0, 1).
+    """
+    alpha, tau = alpha.float()[..., None], tau.float()[..., None]
+    if z.shape[-2] == 1:  # one scale: the mixture is the gate itself
+        log_gate = F.logsigmoid(alpha * (z - tau))[:, :, 0]
+        log_gate_at_mean = F.logsigmoid(-alpha * tau)[:, 0]
+    else:
+        log_mix = torch.log_softmax(mix_logits.float(), dim=-1)[..., None]
+        log_gate = torch.logsumexp(log_mix + F.logsigmoid(alpha * (z - tau)), dim=-2)
+        log_gate_at_mean = torch.logsumexp(log_mix + F.logsigmoid(-alpha * tau), dim=-2)
+    return log_gate - log_gate_at_mean, log_gate.exp()
+
+
+def fold_bias_into_qkv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: float,
+    aux: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Append channels so that q'·k'·scaling = q·k·scaling + bias for any attention kernel.
+
+    q' = [q, 1/scaling, 0, …], k' = [k, bias, 0, …], v' = [v, aux]. All three get the same P ≥ 1 extra
+    channels (fused kernels need equal head sizes); the extra value channels carry ``aux`` — per-key state
+    the KV cache must remember for later steps (raw energies, filter history) — and their outputs are
+    discarded: the caller keeps ``out[..., :D]``.
+
+    Args:
+        query: (B, Hq, Tq, D); key, value: (B, Hk, Tk, D) with Hq a multiple of Hk (grouped-query attention).
+        bias: (B, Hk, Tk) per-key logit bias.
+        scaling: the attention's score scaling (1/√D for standard attention).
+        aux: optional (B, Hk, Tk, P) per-key state to carry in the value channels.
+    """
+    width = 1 if aux is None else max(1, aux.shape[-1])
+    q_pad = query.new_zeros(*query.shape[:-1], width)
+    q_pad[..., 0] = 1.0 / scaling
+    k_pad = torch.cat([bias.to(key.dtype)[..., None], key.new_zeros(*key.shape[:-1], width - 1)], dim=-1)
+    v_pad = value.new_zeros(*value.shape[:-1], width) if aux is None else aux.to(value.dtype)
+    return torch.cat([query, q_pad], -1), torch.cat([key, k_pad], -1), torch.cat([value, v_pad], -1)
+
+
+def replace_folded_bias(key: torch.Tensor, bias: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Overwrite the bias channel of folded keys (B, H, T, D + P) with ``bias`` (B, H, T); out of place."""
+    return torch.cat([key[..., :head_dim], bias.to(key.dtype)[..., None], key[..., head_dim + 1 :]], dim=-1)
+
+
+def causal_filter(signal: torch.Tensor, kernels: torch.Tensor) -> torch.Tensor:
+    """One-sided causal filtering: out[..., c, t] = Σ_u kernels[c, u] · signal[..., t − u] (zero before t = 0).
+
+    Args:
+        signal: (B, T) one scalar per position.
+        kernels: (K, L) filter taps, tap u applied at lag u.
+
+    Returns:
+        (B, K, T).
+    """
+    length = kernels.shape[-1]
+    padded = F.pad(signal[:, None, :], (length - 1, 0))
+    return F.conv1d(padded, kernels.flip(-1)[:, None, :].to(signal.dtype))
+
+
+def morlet_kernels(omega: torch.Tensor, sigma: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Real and imaginary one-sided Morlet taps, t = 0..L−1: cos/sin(ω₀ t)·exp(−t²/2σ²), zero for t ≥ L.
+
+    Args:
+        omega, sigma: (H, S) centre frequencies and envelope widths.
+        lengths: the S kernel lengths L_s.
+
+    Returns:
+        (H, S, 2, max L) taps.
+    """
+    max_len = max(lengths)
+    t = torch.arange(max_len, dtype=omega.dtype, device=omega.device)
+    inside = (t[None, :] < torch.tensor(lengths, device=omega.device)[:, None]).to(omega.dtype)  # (S, L)
+    envelope = torch.exp(-t.square() / (2 * sigma[..., None].square())) * inside
+    phase = omega[..., None] * t
+    return torch.stack([torch.cos(phase) * envelope, torch.sin(phase) * envelope], dim=-2)
+
+
+def daubechies_kernels(wavelet: str, dilations: list[int]) -> torch.Tensor:
+    """Decomposition high-pass taps of ``wavelet`` (PyWavelets) dilated by each factor: (S, max length)."""
+    if pywt is None:
+        raise ImportError("the db2/db4 energies need PyWavelets: pip install PyWavelets")
+    taps = torch.tensor(pywt.Wavelet(wavelet).dec_hi, dtype=torch.float64)
+    length = (len(taps) - 1) * max(dilations) + 1
+    kernels = torch.zeros(len(dilations), length, dtype=torch.float64)
+    for row, dilation in enumerate(dilations):
+        kernels[row, : (len(taps) - 1) * dilation + 1 : dilation] = taps
+    return kernels.float()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Energy functions: x (B, T, C) -> raw energies (B, H, S, T)
+#
+# Each one also says what the KV cache must remember per position to compute the energies of later positions
+# (``feature_width`` values per head, written by ``features``) and how far back it looks (``history``).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class LinearEnergy(nn.Module):
+    """EGA-1/2/4: e_j = w·x_j + b, one Linear(C→1) per head and projection."""
+
+    feature_width = 0
+    history = 0
+
+    def __init__(self, hidden_size: int, num_heads: int, projections: int = 1):
+        super().__init__()
+        self.num_heads, self.num_scales = num_heads, projections
+        self.proj = nn.Linear(hidden_size, num_heads * projections)
+
+    def forward(self, x, past_features=None):
+        batch, length, _ = x.shape
+        return self.proj(x).view(batch, length, self.num_heads, self.num_scales).permute(0, 2, 3, 1)
+
+    def features(self, x):
+        return None
+
+
+class _WindowedEnergy(nn.Module):
+    """Energies computed from a window of past inputs; the cache keeps the last ``history`` inputs."""
+
+    def _with_history(self, new, past_features):
+        """Prepend the cached history (B, H, T_past, F) to ``new`` (B, T, ·), as ``self.features`` wrote it."""
+        if past_features is None or self.history == 0:
+            return new, 0
+        past = self._unpack(past_features[:, :, -self.history :, :])
+        return torch.cat([past, new], dim=1), past.shape[1]
+
+
+class ConvEnergy(_WindowedEnergy):
+    """EGA-C: per head a causal Conv1d(C → 2, kernel k) per scale k; energy = out₀² + out₁²."""
+
+    def __init__(self, hidden_size: int, num_heads: int, kernel_sizes: list[int]):
+        super().__init__()
+        self.num_heads, self.num_scales = num_heads, len(kernel_sizes)
+        self.kernel_sizes = list(kernel_sizes)
+        self.history = max(kernel_sizes) - 1
+        self.feature_width = hidden_size // num_heads  # each head stores its slice of x
+        if self.feature_width * num_heads != hidden_size:
+            raise ValueError(f"hidden_size {hidden_size} must be divisible by the number of gate heads {num_heads}")
+        self.convs = nn.ModuleList(nn.Conv1d(hidden_size, 2 * num_heads, k) for k in kernel_sizes)
+
+    def forward(self, x, past_features=None):
+        full, offset = self._with_history(x, past_features)
+        batch = x.shape[0]
+        energies = []
+        for kernel, conv in zip(self.kernel_sizes, self.convs):
+            out = conv(F.pad(full.transpose(1, 2), (kernel - 1, 0)))[..., offset:]
+            energies.append(out.view(batch, self.num_heads, 2, -1).square().sum(2))
+        return torch.stack(energies, dim=2)
+
+    def features(self, x):
+        return x.view(*x.shape[:2], self.num_heads, self.feature_width).transpose(1, 2)
+
+    def _unpack(self, features):
+        return features.transpose(1, 2).reshape(features.shape[0], features.shape[2], -1)
+
+
+class _SignalEnergy(_WindowedEnergy):
+    """Energies of the channel-mean signal s_t = mean_c x_t,c under a bank of one-sided causal filters."""
+
+    feature_width = 1
+
+    def forward(self, x, past_features=None):
+        signal, offset = self._with_history(x.mean(-1), past_features)
+        kernels = self.kernels()
+        responses = causal_filter(signal, kernels.flatten(0, -2))[..., offset:]
+        return self.energy_from(responses.view(x.shape[0], *kernels.shape[:-1], -1))
+
+    def features(self, x):
+        return x.mean(-1)[:, None, :, None].expand(-1, self.num_heads, -1, -1)
+
+    def _unpack(self, features):
+        return features[:, 0, :, 0]
+
+
+class MorletEnergy(_SignalEnergy):
+    """EGA-M / EGA-M-F: |Morlet response|² of the channel-mean signal, one scale per kernel length L.
+
+    ω₀ is initialised to π/L and σ to 5/ω₀; ω₀ is capped at 0.95π and σ kept ≥ 5/ω₀ (admissibility ω₀σ ≥ 5).
+    """
+
+    def __init__(self, num_heads: int, lengths: list[int], learnable: bool = True):
+        super().__init__()
+        self.num_heads, self.num_scales, self.lengths = num_heads, len(lengths), list(lengths)
+        self.history = max(lengths) - 1
+        omega = torch.tensor([math.pi / length for length in lengths]).repeat(num_heads, 1)
+        sigma = 5.0 / omega
+        if learnable:
+            self.omega, self.sigma = nn.Parameter(omega), nn.Parameter(sigma)
+        else:
+            self.register_buffer("omega", omega)
+            self.register_buffer("sigma", sigma)
+
+    def kernels(self):
+        omega = self.omega.clamp(max=0.95 * math.pi)
+        sigma = torch.maximum(self.sigma, 5.0 / omega)
+        return morlet_kernels(omega, sigma, self.lengths)  # (H, S, 2, L)
+
+    def energy_from(self, responses):  # (B, H, S, 2, T)
+        return responses.square().sum(3)
+
+
+class DaubechiesEnergy(_SignalEnergy):
+    """EGA-DB2 / EGA-DB4 (our definition, SPEC 1.3): squared high-pass coefficients of the channel-mean signal
+    at dyadic dilations, one scale per dilation; taps from PyWavelets."""
+
+    def __init__(self, num_heads: int, wavelet: str, dilations: list[int]):
+        super().__init__()
+        self.num_heads, self.num_scales = num_heads, len(dilations)
+        self.register_buffer("taps", daubechies_kernels(wavelet, dilations), persistent=False)
+        self.history = self.taps.shape[-1] - 1
+
+    def kernels(self):
+        return self.taps[None, :, None, :]  # (1, S, 1, L): the same filters for every head
+
+    def energy_from(self, responses):  # (B, 1, S, 1, T)
+        return responses[:, :, :, 0].square().expand(-1, self.num_heads, -1, -1)
+
+
+def build_energy(kind, hidden_size, num_heads, projections=1, scales=None, morlet_learnable=True) -> nn.Module:
+    if kind == "linear":
+        return LinearEnergy(hidden_size, num_heads, projections)
+    if kind == "conv":
+        return ConvEnergy(hidden_size, num_heads, scales)
+    if kind == "morlet":
+        return MorletEnergy(num_heads, scales, learnable=morlet_learnable)
+    if kind in ("db2", "db4"):
+        return DaubechiesEnergy(num_heads, kind, scales)
+    raise ValueError(f"unknown energy kind {kind!r}; expected linear, conv, morlet, db2 or db4")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The gate module
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class EnergyGate(nn.Module):
+    """Per-head energy gate of one attention layer: energies → normalisation → log-gate bias.
+
+    Parameters per head and scale: the energy function's, plus τ, α and one mixing logit (for EGA-1 at
+    C = 256: w (256) + b + τ + α + m = 260, SPEC 1.1).
+
+    ``forward`` returns ``(bias, gate, aux)``: the logit bias to fold into the attention, the gate values
+    (recorded by ``output_gate_values=True``) and the per-key state for the KV cache (``None`` unless asked).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        kind: str = "linear",
+        projections: int = 1,
+        scales: list[int] | None = None,
+        normalization: str = "causal",
+        eps: float = 1e-5,
+        tau_init: float = 0.0,
+        alpha_init: float = 2.0,
+        morlet_learnable: bool = True,
+    ):
+        super().__init__()
+        if normalization not in ("causal", "window", "none"):
+            raise ValueError(f"unknown energy normalisation {normalization!r}; expected causal, window or none")
+        self.normalization, self.eps = normalization, eps
+        self.energy = build_energy(kind, hidden_size, num_heads, projections, scales, morlet_learnable)
+        shape = (num_heads, self.energy.num_scales)
+        self.tau = nn.Parameter(torch.full(shape, float(tau_init)))
+        self.alpha = nn.Parameter(torch.full(shape, float(alpha_init)))
+        self.mix_logits = nn.Parameter(torch.zeros(shape))
+
+    @property
+    def num_scales(self) -> int:
+        return self.energy.num_scales
+
+    @property
+    def aux_width(self) -> int:
+        """Per-key values the KV cache carries for this gate: raw energies, then the energy function's features."""
+        return self.energy.num_scales + self.energy.feature_width
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        past_aux: torch.Tensor | None = None,
+        return_aux: bool = False,
+    ):
+        """Gate the keys of ``x``.
+
+        Args:
+            x: (B, T, C) the attention layer's (normalised) input for the new positions.
+            valid: (B, T_past + T) bool, False at padding, or ``None``.
+            past_aux: (B, H, T_past, aux_width) what an earlier call returned as ``aux`` (from the KV cache).
+            return_aux: also return the per-key state of the new positions for the cache.
+
+        Returns:
+            bias: (B, H, T) float32; with ``window`` normalisation and a past, (B, H, T_past + T), because
+                every key's statistics change when the window grows.
+            gate: (B, H, T) gate values of the new positions.
+            aux: (B, H, T, aux_width) or ``None``.
+        """
+        num_scales = self.energy.num_scales
+        if valid is not None and self.energy.history:
+            # Zero padded inputs so a filter reads a padded prefix as silence: left padding then changes nothing.
+            x = x * valid[:, -x.shape[1] :, None].to(x.dtype)
+        past_energy = past_features = None
+        if past_aux is not None and past_aux.shape[2] > 0:
+            past_energy = past_aux[..., :num_scales].permute(0, 1, 3, 2)
+            past_features = past_aux[..., num_scales:]
+        # Round to the activation dtype before the statistics, as the cached copy will be.
+        energy = self.energy(x, past_features).to(x.dtype)
+        new_len = energy.shape[-1]
+        energies = energy if past_energy is None else torch.cat([past_energy.to(energy.dtype), energy], dim=-1)
+        if valid is not None and valid.shape[-1] != energies.shape[-1]:
+            raise ValueError(
+                f"attention_mask covers {valid.shape[-1]} positions but the layer sees {energies.shape[-1]} "
+                "(cached + new)"
+            )
+        z = normalize_energy(energies, valid, self.normalization, self.eps)
+        bias, gate = log_gate_bias(z, self.tau, self.alpha, self.mix_logits)
+        if not (self.normalization == "window" and past_energy is not None):
+            bias = bias[..., -new_len:]
+        gate = gate[..., -new_len:]
+        aux = None
+        if return_aux:
+            parts = [energy.transpose(2, 3)]
+            features = self.energy.features(x)
+            if features is not None:
+                parts.append(features.to(energy.dtype))
+            aux = torch.cat(parts, dim=-1)
+        return bias, gate, aux

@@ -1,0 +1,401 @@
+"""EGA-GPT: a GPT (pre-LN, learned absolute positions, tied embeddings, GELU MLP) with energy-gated attention.
+
+The gate is an additive per-key logit bias (``energy_gate.py``); each attention layer folds it into its queries
+and keys and hands them to whichever kernel ``config._attn_implementation`` names (eager, sdpa, flex_attention),
+so the fused causal kernels stay in use. The KV cache stores each key's bias, plus the per-key state later
+steps need (raw energies for the running statistics, filter history), in the extra key/value channels: beam
+search, cache cropping and left padding then need nothing special.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_ega_gpt import EGAConfig
+from .energy_gate import EnergyGate, MorletEnergy, fold_bias_into_qkv, replace_folded_bias
+from .sequence_pooling import SequencePooling
+
+
+@dataclass
+class EGAModelOutputWithPast(BaseModelOutputWithPast):
+    r"""
+    gate_values (`tuple[torch.FloatTensor]`, *optional*, returned with `output_gate_values=True`):
+        One (batch, heads, new positions) tensor of gate values g ∈ (0, 1) per gated layer.
+    """
+
+    gate_values: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class EGACausalLMOutputWithPast(CausalLMOutputWithPast):
+    r"""
+    gate_values (`tuple[torch.FloatTensor]`, *optional*, returned with `output_gate_values=True`):
+        One (batch, heads, new positions) tensor of gate values g ∈ (0, 1) per gated layer.
+    """
+
+    gate_values: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class EGASequenceClassifierOutputWithPast(SequenceClassifierOutputWithPast):
+    r"""
+    gate_values (`tuple[torch.FloatTensor]`, *optional*, returned with `output_gate_values=True`):
+        One (batch, heads, positions) tensor of gate values per gated layer.
+    """
+
+    gate_values: tuple[torch.FloatTensor, ...] | None = None
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Reference attention; with folded queries/keys its probabilities are the gated, renormalised ones."""
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+def cached_gate_state(cache: Cache | None, layer_idx: int, head_dim: int) -> torch.Tensor | None:
+    """The per-key gate state stored after the first ``head_dim`` value channels of a layer's cache."""
+    if cache is None or layer_idx >= len(cache.layers):
+        return None
+    values = getattr(cache.layers[layer_idx], "values", None)
+    if values is None or values.numel() == 0:
+        return None
+    return values[..., head_dim:]
+
+
+class EGAMLP(nn.Module):
+    def __init__(self, config: EGAConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
+        self.act = ACT2FN[config.hidden_act]
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, hidden_states):
+        return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
+
+
+class EGAAttention(nn.Module):
+    """Causal multi-head self-attention with an optional energy gate on the keys."""
+
+    def __init__(self, config: EGAConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        self.c_attn = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.bias)
+        self.c_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        self.energy_gate = None
+        if layer_idx in config.gated_layers:
+            self.energy_gate = EnergyGate(
+                config.hidden_size,
+                config.num_attention_heads,
+                kind=config.energy_kind,
+                projections=config.energy_projections,
+                scales=config.energy_scales,
+                normalization=config.energy_normalization,
+                eps=config.energy_norm_eps,
+                tau_init=config.gate_tau_init,
+                alpha_init=config.gate_alpha_init,
+                morlet_learnable=config.morlet_learnable,
+            )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, _ = hidden_states.shape
+        shape = (batch, length, self.num_heads, self.head_dim)
+        query, key, value = (
+            t.view(shape).transpose(1, 2) for t in self.c_attn(hidden_states).split(self.config.hidden_size, dim=2)
+        )
+
+        rebias_all_keys = False
+        if self.energy_gate is not None:
+            past_state = cached_gate_state(cache, self.layer_idx, self.head_dim)
+            bias, _, state = self.energy_gate(
+                hidden_states, valid=token_mask, past_aux=past_state, return_aux=cache is not None
+            )
+            # With window statistics and a past, every cached key's bias changes with the window.
+            rebias_all_keys = bias.shape[-1] != length
+            query, key, value = fold_bias_into_qkv(query, key, value, bias[..., -length:], self.scaling, state)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        if rebias_all_keys:
+            key = replace_folded_bias(key, bias, self.head_dim)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.config.attn_pdrop if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output[..., : self.head_dim].reshape(batch, length, -1)
+        return self.resid_dropout(self.c_proj(attn_output)), attn_weights
+
+
+class EGABlock(GradientCheckpointingLayer):
+    def __init__(self, config: EGAConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = EGAAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
+        self.mlp = EGAMLP(config)
+
+    def forward(self, hidden_states, attention_mask=None, token_mask=None, cache=None, **kwargs):
+        attn_output, _ = self.attn(
+            self.ln_1(hidden_states), attention_mask=attention_mask, token_mask=token_mask, cache=cache, **kwargs
+        )
+        hidden_states = hidden_states + attn_output
+        return hidden_states + self.mlp(self.ln_2(hidden_states))
+
+
+class EGAPreTrainedModel(PreTrainedModel):
+    config_class = EGAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["EGABlock"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_record_outputs = {
+        "hidden_states": EGABlock,
+        "attentions": OutputRecorder(EGAAttention, index=1),
+        "gate_values": OutputRecorder(EnergyGate, index=1),
+    }
+
+    def _init_weights(self, module):
+        super()._init_weights(module)  # Linear / Conv1d / Embedding: N(0, initializer_range); LayerNorm: 1, 0
+        if isinstance(module, EnergyGate):
+            init.constant_(module.tau, self.config.gate_tau_init)
+            init.constant_(module.alpha, self.config.gate_alpha_init)
+            init.zeros_(module.mix_logits)
+        elif isinstance(module, MorletEnergy):
+            omega = torch.tensor([torch.pi / length for length in module.lengths]).repeat(module.num_heads, 1)
+            init.copy_(module.omega, omega)
+            init.copy_(module.sigma, 5.0 / omega)
+        elif isinstance(module, SequencePooling):
+            if module.mode == "learned":
+                init.zeros_(module.position_logits)
+            elif module.mode == "rmt_optimal":
+                init.ones_(module.position_weights)
+
+
+class EGAModel(EGAPreTrainedModel):
+    def __init__(self, config: EGAConfig):
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList(EGABlock(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.wte
+
+    def set_input_embeddings(self, value):
+        self.wte = value
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> EGAModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.wte(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        length = inputs_embeds.shape[1]
+        past_length = cache.get_seq_length() if cache is not None else 0
+
+        token_mask = None
+        if attention_mask is not None and attention_mask.ndim == 2:
+            if attention_mask.shape[1] != past_length + length:
+                raise ValueError(
+                    f"attention_mask has {attention_mask.shape[1]} positions, expected {past_length + length} "
+                    f"({past_length} cached + {length} new)"
+                )
+            token_mask = attention_mask.bool()
+        if position_ids is None:
+            if token_mask is not None:  # count real tokens, so that left padding does not shift positions
+                position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+            else:
+                position_ids = torch.arange(past_length, past_length + length, device=inputs_embeds.device)[None]
+        if position_ids.max() >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {int(position_ids.max())} is beyond max_position_embeddings "
+                f"({self.config.max_position_embeddings})"
+            )
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
+        for block in self.h:
+            hidden_states = block(
+                hidden_states, attention_mask=causal_mask, token_mask=token_mask, cache=cache, **kwargs
+            )
+        return EGAModelOutputWithPast(last_hidden_state=self.ln_f(hidden_states), cache=cache)
+
+
+class EGAForCausalLM(EGAPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.wte.weight"}
+
+    def __init__(self, config: EGAConfig):
+        super().__init__(config)
+        self.model = EGAModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.wte
+
+    def set_input_embeddings(self, value):
+        self.model.wte = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> EGACausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        elif isinstance(logits_to_keep, torch.Tensor):
+            hidden_states = hidden_states[:, logits_to_keep]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return EGACausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            gate_values=outputs.gate_values,
+        )
+
+
+class EGAForSequenceClassification(EGAPreTrainedModel):
+    """EGA-GPT with a pooled classification head (pooling: ``config.classifier_pooling``)."""
+
+    def __init__(self, config: EGAConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = EGAModel(config)
+        self.pooling = SequencePooling(config.classifier_pooling, config.max_position_embeddings)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.wte
+
+    def set_input_embeddings(self, value):
+        self.model.wte = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> EGASequenceClassifierOutputWithPast:
+        kwargs.pop("use_cache", None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            **kwargs,
+        )
+        if attention_mask is None and input_ids is not None and self.config.pad_token_id is not None:
+            attention_mask = (input_ids != self.config.pad_token_id).long()
+        pooled = self.pooling(outputs.last_hidden_state, attention_mask)
+        logits = self.score(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
+        return EGASequenceClassifierOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            gate_values=outputs.gate_values,
+        )
+
+
+__all__ = ["EGAForCausalLM", "EGAForSequenceClassification", "EGAModel", "EGAPreTrainedModel"]

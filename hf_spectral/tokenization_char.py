@@ -1,0 +1,97 @@
+"""Character-level tokenizer: one id per character of a text file, as in the char-level benchmarks.
+
+Self-contained (imports only ``transformers``) so that ``save_pretrained`` can copy it next to a
+checkpoint and ``AutoTokenizer.from_pretrained(path, trust_remote_code=True)`` works without hf_spectral.
+"""
+
+import json
+import os
+
+from transformers import PreTrainedTokenizer
+
+VOCAB_FILES_NAMES = {"vocab_file": "vocab.json"}
+
+
+class CharTokenizer(PreTrainedTokenizer):
+    """A character-level `PreTrainedTokenizer`.
+
+    The vocabulary is the sorted set of characters of a corpus (``from_text`` / ``from_text_file``), so that
+    TinyShakespeare gives the 65 ids used in the papers. Special tokens are optional; when given (e.g. a
+    ``pad_token`` for batched generation) they are appended after the characters.
+
+    Args:
+        vocab_file (`str`): JSON file mapping each character to its id.
+        unk_token (`str`, *optional*): Token for characters outside the vocabulary. Without it, such a
+            character raises a `ValueError` instead of being silently replaced.
+        pad_token, bos_token, eos_token (`str`, *optional*): Special tokens, added to the vocabulary if absent.
+    """
+
+    vocab_files_names = VOCAB_FILES_NAMES
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, vocab_file, unk_token=None, pad_token=None, bos_token=None, eos_token=None, **kwargs):
+        with open(vocab_file, encoding="utf-8") as handle:
+            self.vocab = json.load(handle)
+        if not isinstance(self.vocab, dict) or not self.vocab:
+            raise ValueError(f"{vocab_file} does not hold a non-empty JSON object mapping characters to ids")
+        for token in (unk_token, pad_token, bos_token, eos_token):
+            if token is not None and str(token) not in self.vocab:
+                self.vocab[str(token)] = len(self.vocab)
+        self.ids_to_tokens = {index: token for token, index in self.vocab.items()}
+        kwargs.setdefault("clean_up_tokenization_spaces", False)
+        super().__init__(
+            unk_token=unk_token, pad_token=pad_token, bos_token=bos_token, eos_token=eos_token, **kwargs
+        )
+
+    @classmethod
+    def from_text(cls, text: str, save_directory: str, **kwargs) -> "CharTokenizer":
+        """Build the vocabulary from the characters of ``text``; the vocab file is written to ``save_directory``."""
+        if not text:
+            raise ValueError("cannot build a character vocabulary from an empty text")
+        os.makedirs(save_directory, exist_ok=True)
+        vocab_file = os.path.join(save_directory, VOCAB_FILES_NAMES["vocab_file"])
+        with open(vocab_file, "w", encoding="utf-8") as handle:
+            json.dump({char: index for index, char in enumerate(sorted(set(text)))}, handle, ensure_ascii=False)
+        return cls(vocab_file, **kwargs)
+
+    @classmethod
+    def from_text_file(cls, path: str, save_directory: str, **kwargs) -> "CharTokenizer":
+        """Build the vocabulary from the characters of the UTF-8 text file at ``path``."""
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"text file not found: {path}")
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_text(handle.read(), save_directory, **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def get_vocab(self) -> dict:
+        return dict(self.vocab)
+
+    def _tokenize(self, text, **kwargs):
+        return list(text)
+
+    def _convert_token_to_id(self, token):
+        if token in self.vocab:
+            return self.vocab[token]
+        if self.unk_token is not None:
+            return self.vocab[str(self.unk_token)]
+        raise ValueError(f"character {token!r} is not in the vocabulary and the tokenizer has no unk_token")
+
+    def _convert_id_to_token(self, index):
+        if index not in self.ids_to_tokens:
+            raise ValueError(f"token id {index} is outside the vocabulary (size {len(self.vocab)})")
+        return self.ids_to_tokens[index]
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens)
+
+    def save_vocabulary(self, save_directory, filename_prefix=None):
+        if not os.path.isdir(save_directory):
+            raise ValueError(f"save_directory must be an existing directory, got {save_directory}")
+        name = (filename_prefix + "-" if filename_prefix else "") + VOCAB_FILES_NAMES["vocab_file"]
+        vocab_file = os.path.join(save_directory, name)
+        with open(vocab_file, "w", encoding="utf-8") as handle:
+            json.dump(self.vocab, handle, ensure_ascii=False)
+        return (vocab_file,)

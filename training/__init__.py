@@ -1,0 +1,1 @@
+"""Training and reproduction recipes for hf_spectral (``python -m training.<recipe> --help``)."""
