@@ -31,7 +31,11 @@ except ImportError:  # pragma: no cover - exercised only where PyWavelets is mis
 
 
 def normalize_energy(
-    energy: torch.Tensor, valid: torch.Tensor | None = None, mode: str = "causal", eps: float = 1e-5
+    energy: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    mode: str = "causal",
+    eps: float = 1e-5,
+    keep_last: int | None = None,
 ) -> torch.Tensor:
     """z-normalise energies along time, ignoring padding.
 
@@ -43,14 +47,17 @@ def normalize_energy(
             authors' statistics over every valid position of the sequence (sees the future); ``"none"``:
             energies pass through unchanged.
         eps: lower bound on the standard deviation.
+        keep_last: return only the last ``keep_last`` positions (a decoding step needs its new keys only;
+            the statistics still cover every position).
 
     Returns:
-        (B, H, S, T) float32 normalised energies, 0 at padding.
+        (B, H, S, T or keep_last) float32 normalised energies, 0 at padding.
     """
     e = energy.float()
-    if mode == "none":
-        return e if valid is None else e * valid[:, None, None, :]
     weight = e.new_ones(e.shape[-1]) if valid is None else valid[:, None, None, :].to(e.dtype)
+    keep = slice(-keep_last if keep_last else None, None)
+    if mode == "none":
+        return (e * weight)[..., keep]
     if mode == "window":
         count = weight.sum(-1, keepdim=True)
         mean = (e * weight).sum(-1, keepdim=True) / count.clamp(min=1)
@@ -61,8 +68,8 @@ def normalize_energy(
         # running sums: keeps Σx² − n·mean² away from catastrophic cancellation when |mean| ≫ std.
         first = weight.expand_as(e).argmax(-1, keepdim=True)
         x = (e - e.gather(-1, first)) * weight
-        count = weight.cumsum(-1)
-        s1, s2 = x.cumsum(-1), x.square().cumsum(-1)
+        count, s1, s2 = weight.cumsum(-1), x.cumsum(-1), x.square().cumsum(-1)
+        x, weight, count, s1, s2 = (t[..., keep] for t in (x, weight.expand_as(e), count.expand_as(e), s1, s2))
         mean = s1 / count.clamp(min=1)
         var = ((s2 - s1 * mean) / (count - 1).clamp(min=1)).clamp(min=0)
         z = (x - mean) / var.sqrt().clamp(min=eps)
@@ -401,10 +408,9 @@ class EnergyGate(nn.Module):
                 f"attention_mask covers {valid.shape[-1]} positions but the layer sees {energies.shape[-1]} "
                 "(cached + new)"
             )
-        z = normalize_energy(energies, valid, self.normalization, self.eps)
+        rebias_past = self.normalization == "window" and past_energy is not None
+        z = normalize_energy(energies, valid, self.normalization, self.eps, None if rebias_past else new_len)
         bias, gate = log_gate_bias(z, self.tau, self.alpha, self.mix_logits)
-        if not (self.normalization == "window" and past_energy is not None):
-            bias = bias[..., -new_len:]
         gate = gate[..., -new_len:]
         aux = None
         if return_aux:

@@ -1,0 +1,215 @@
+"""EGA-GPT against GPT2LMHeadModel of the same size, both with SDPA, measured in the same run as ratios.
+
+    python benchmarks/bench_ega_gpt.py                 # full run, writes results/benchmarks/ega_gpt.{json,md}
+    python benchmarks/bench_ega_gpt.py --quick         # smaller, for a smoke check
+
+Measured: training tokens/s (forward + backward + AdamW step) at T = 256 and T = 1024, inference forward
+tokens/s, KV-cache generation tokens/s (greedy, fixed number of new tokens), and peak memory of a training
+step (peak RSS growth of a fresh process). Models are timed in alternation, step by step, and the ratio of
+medians is reported, so that load from other processes hits both alike. "EGA-GPT (no gates)" is the same code
+with `energy_gate_layers=[]`: it separates the cost of the gate from that of our GPT implementation.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SIZE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, vocab_size=65)
+
+
+def build(name: str, context: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import hf_spectral
+
+    if name == "gpt2":
+        config = GPT2Config(
+            n_embd=SIZE["hidden_size"], n_layer=SIZE["num_hidden_layers"], n_head=SIZE["num_attention_heads"],
+            vocab_size=SIZE["vocab_size"], n_positions=context, tie_word_embeddings=True,
+        )
+        model = GPT2LMHeadModel(config)
+    else:
+        variant = {"ega": "EGA-1", "ega_base": "BASE"}[name]
+        config = hf_spectral.EGAConfig.from_variant(variant, max_position_embeddings=context, **SIZE)
+        model = hf_spectral.EGAForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def _median_ratio(times_a, times_b):
+    return statistics.median(times_b) / statistics.median(times_a)
+
+
+def time_alternating(fns: dict, repeats: int, warmup: int = 2) -> dict:
+    """Run each callable in turn ``repeats`` times; return the per-call times of each."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def training_step_fn(model, batch, length, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, SIZE["vocab_size"], (batch, length), generator=generator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model.train()
+
+    def step():
+        loss = model(input_ids=data, labels=data).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def forward_fn(model, batch, length, seed=0):
+    data = torch.randint(0, SIZE["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+    model.eval()
+
+    def step():
+        with torch.inference_mode():
+            model(input_ids=data, use_cache=False)
+
+    return step
+
+
+def generate_fn(model, batch, prompt, new_tokens, seed=0):
+    data = torch.randint(0, SIZE["vocab_size"], (batch, prompt), generator=torch.Generator().manual_seed(seed))
+    model.eval()
+
+    def step():
+        with torch.inference_mode():
+            model.generate(
+                data, attention_mask=torch.ones_like(data), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0,
+            )
+
+    return step
+
+
+def peak_memory_child(name, batch, length):
+    """Peak RSS growth (MiB) of one training step, measured in this fresh process."""
+    import resource
+
+    torch.manual_seed(0)
+    model = build(name, length)
+    step = training_step_fn(model, batch, length)
+    with open("/proc/self/statm") as handle:
+        before = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    step()
+    step()  # the optimizer state exists from the second step on
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_mib": peak - before}))
+
+
+def peak_memory(name, batch, length):
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-child", name, str(batch), str(length)],
+        capture_output=True, text=True, check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller batches")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--out", default="results/benchmarks")
+    parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        name, batch, length = args.memory_child
+        peak_memory_child(name, int(batch), int(length))
+        return
+
+    from training.results import write_results
+
+    repeats = args.repeats or (3 if args.quick else 15)
+    names = ["gpt2", "ega_base", "ega"]
+    torch.manual_seed(0)
+    settings = {
+        "train_T256": dict(kind="train", batch=4 if args.quick else 16, length=256),
+        "train_T1024": dict(kind="train", batch=1 if args.quick else 4, length=1024),
+        "forward_T256": dict(kind="forward", batch=4 if args.quick else 16, length=256),
+        "generate": dict(kind="generate", batch=4 if args.quick else 8, prompt=64, new_tokens=32 if args.quick else 128),
+    }
+    rows = []
+    for label, setting in settings.items():
+        context = setting.get("length", 256)
+        models = {name: build(name, max(context, 256)) for name in names}
+        if setting["kind"] == "train":
+            fns = {n: training_step_fn(m, setting["batch"], setting["length"]) for n, m in models.items()}
+            tokens = setting["batch"] * setting["length"]
+        elif setting["kind"] == "forward":
+            fns = {n: forward_fn(m, setting["batch"], setting["length"]) for n, m in models.items()}
+            tokens = setting["batch"] * setting["length"]
+        else:
+            fns = {n: generate_fn(m, setting["batch"], setting["prompt"], setting["new_tokens"]) for n, m in models.items()}
+            tokens = setting["batch"] * setting["new_tokens"]
+        times = time_alternating(fns, repeats)
+        for name in names:
+            rows.append({
+                "measurement": label,
+                "model": name,
+                "tokens_per_s": tokens / statistics.median(times[name]),
+                "ratio_vs_gpt2": _median_ratio(times[name], times["gpt2"]),
+            })
+        print(json.dumps(rows[-3:]), flush=True)
+
+    mem_setting = dict(batch=4 if args.quick else 8, length=1024)
+    mem = {name: peak_memory(name, **mem_setting) for name in names}
+    for name in names:
+        rows.append({
+            "measurement": f"peak_train_memory_T1024_MiB",
+            "model": name,
+            "tokens_per_s": None,
+            "ratio_vs_gpt2": mem[name] / mem["gpt2"],
+            "peak_mib": mem[name],
+        })
+    targets = {"train_T256": 0.95, "train_T1024": 0.90, "forward_T256": 0.97, "generate": 0.97}
+    verdict = []
+    for row in rows:
+        if row["model"] != "ega":
+            continue
+        if row["measurement"] in targets:
+            ok = row["ratio_vs_gpt2"] >= targets[row["measurement"]]
+            verdict.append(f"- {row['measurement']}: {row['ratio_vs_gpt2']:.3f}× (target ≥ {targets[row['measurement']]}) {'met' if ok else 'MISSED'}")
+        else:
+            ok = row["ratio_vs_gpt2"] <= 1.10
+            verdict.append(f"- peak training memory: {row['ratio_vs_gpt2']:.3f}× (target ≤ 1.10) {'met' if ok else 'MISSED'}")
+    notes = (
+        "Speed ratios are throughput(model) / throughput(GPT2LMHeadModel), so > 1 is faster; the memory ratio is "
+        "peak(model) / peak(GPT2LMHeadModel), so < 1 is smaller. Size: "
+        f"{json.dumps(SIZE)}; `ega` = EGA-1 with causal statistics in every layer, `ega_base` = EGA-GPT code "
+        "without gates.\n\nTargets for `ega`:\n" + "\n".join(verdict)
+    )
+    write_results(
+        args.out,
+        "ega_gpt" if not args.quick else "ega_gpt_quick",
+        rows,
+        title="EGA-GPT vs GPT2LMHeadModel (SDPA), same run",
+        config={"size": SIZE, "settings": settings, "repeats": repeats, "memory": mem_setting},
+        seeds=[0],
+        notes=notes,
+        columns=["measurement", "model", "tokens_per_s", "ratio_vs_gpt2"],
+    )
+    print(notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Test helpers shared across the suite."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+# Runs in a fresh interpreter where `import hf_spectral` fails, as on a machine without the plugin.
+_REMOTE_LOAD_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules["hf_spectral"] = None  # any import of the plugin now raises ImportError
+    import torch, transformers
+    path, auto_class, inputs_file, out_file = sys.argv[1:5]
+    model = getattr(transformers, auto_class).from_pretrained(path, trust_remote_code=True).eval()
+    inputs = {k: torch.tensor(v) for k, v in json.load(open(inputs_file)).items()}
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert not any(name == "hf_spectral" or name.startswith("hf_spectral.") for name in sys.modules
+                   if sys.modules[name] is not None), "hf_spectral was imported"
+    json.dump({"logits": logits.tolist(), "class": type(model).__module__ + "." + type(model).__name__},
+              open(out_file, "w"))
+    """
+)
+
+
+def load_without_plugin(path: str, auto_class: str, inputs: dict, tmp_path) -> tuple[torch.Tensor, str]:
+    """Load ``path`` with ``transformers.<auto_class>.from_pretrained(..., trust_remote_code=True)`` in a
+    subprocess that cannot import hf_spectral; return its logits on ``inputs`` and the loaded class name."""
+    inputs_file, out_file = tmp_path / "inputs.json", tmp_path / "out.json"
+    inputs_file.write_text(json.dumps({k: v.tolist() for k, v in inputs.items()}))
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(
+        [sys.executable, "-c", _REMOTE_LOAD_SCRIPT, str(path), auto_class, str(inputs_file), str(out_file)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(out_file.read_text())
+    return torch.tensor(out["logits"]), out["class"]
+
+
+def perturb_after(input_ids: torch.Tensor, position: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """A copy of ``input_ids`` with every token after ``position`` replaced by a different random token."""
+    generator = torch.Generator().manual_seed(seed)
+    changed = input_ids.clone()
+    tail = changed[:, position + 1 :]
+    offset = torch.randint(1, vocab_size, tail.shape, generator=generator)
+    changed[:, position + 1 :] = (tail + offset) % vocab_size
+    return changed
