@@ -7,6 +7,13 @@
 Importing the package registers every model with the ``transformers`` Auto classes.
 """
 
+from .models.chiar_former import (
+    ChiarConfig,
+    ChiarForCausalLM,
+    ChiarForSequenceClassification,
+    ChiarModel,
+    ChiarPreTrainedModel,
+)
 from .models.ega_gpt import (
     EGAConfig,
     EGAForCausalLM,
@@ -23,6 +30,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CharTokenizer",
+    "ChiarConfig",
+    "ChiarForCausalLM",
+    "ChiarForSequenceClassification",
+    "ChiarModel",
+    "ChiarPreTrainedModel",
     "EGAConfig",
     "EGAForCausalLM",
     "EGAForSequenceClassification",

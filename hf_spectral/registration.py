@@ -10,7 +10,7 @@ import transformers
 
 def _auto_table():
     # Imported here so that each model folder stays importable on its own (remote code).
-    from .models import ega_gpt
+    from .models import chiar_former, ega_gpt
 
     return [
         (
@@ -19,6 +19,14 @@ def _auto_table():
                 "AutoModel": ega_gpt.EGAModel,
                 "AutoModelForCausalLM": ega_gpt.EGAForCausalLM,
                 "AutoModelForSequenceClassification": ega_gpt.EGAForSequenceClassification,
+            },
+        ),
+        (
+            chiar_former.ChiarConfig,
+            {
+                "AutoModel": chiar_former.ChiarModel,
+                "AutoModelForCausalLM": chiar_former.ChiarForCausalLM,
+                "AutoModelForSequenceClassification": chiar_former.ChiarForSequenceClassification,
             },
         ),
     ]
@@ -36,3 +44,7 @@ def register_auto_classes() -> None:
             model_class.register_for_auto_class(auto_name)
         transformers.AutoTokenizer.register(config_class, slow_tokenizer_class=CharTokenizer, exist_ok=True)
     CharTokenizer.register_for_auto_class("AutoTokenizer")
+
+    from .retrofit import register_energy_gated_models
+
+    register_energy_gated_models()

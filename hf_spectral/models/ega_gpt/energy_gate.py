@@ -103,6 +103,26 @@ def log_gate_bias(
     return log_gate - log_gate_at_mean, log_gate.exp()
 
 
+def pad_query_for_bias(query: torch.Tensor, width: int, scaling: float) -> torch.Tensor:
+    """q' = [q, 1/scaling, 0, …] with ``width`` extra channels: the partner of ``fold_bias_into_kv``."""
+    pad = query.new_zeros(*query.shape[:-1], width)
+    pad[..., 0] = 1.0 / scaling
+    return torch.cat([query, pad], dim=-1)
+
+
+def fold_bias_into_kv(
+    key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, aux: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k' = [k, bias, 0, …], v' = [v, aux]: the key/value half of ``fold_bias_into_qkv``.
+
+    The KV cache stores k' and v', so each key keeps its bias and the gate state later steps need.
+    """
+    width = 1 if aux is None else max(1, aux.shape[-1])
+    key_pad = torch.cat([bias.to(key.dtype)[..., None], key.new_zeros(*key.shape[:-1], width - 1)], dim=-1)
+    value_pad = value.new_zeros(*value.shape[:-1], width) if aux is None else aux.to(value.dtype)
+    return torch.cat([key, key_pad], dim=-1), torch.cat([value, value_pad], dim=-1)
+
+
 def fold_bias_into_qkv(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -124,12 +144,18 @@ def fold_bias_into_qkv(
         scaling: the attention's score scaling (1/√D for standard attention).
         aux: optional (B, Hk, Tk, P) per-key state to carry in the value channels.
     """
-    width = 1 if aux is None else max(1, aux.shape[-1])
-    q_pad = query.new_zeros(*query.shape[:-1], width)
-    q_pad[..., 0] = 1.0 / scaling
-    k_pad = torch.cat([bias.to(key.dtype)[..., None], key.new_zeros(*key.shape[:-1], width - 1)], dim=-1)
-    v_pad = value.new_zeros(*value.shape[:-1], width) if aux is None else aux.to(value.dtype)
-    return torch.cat([query, q_pad], -1), torch.cat([key, k_pad], -1), torch.cat([value, v_pad], -1)
+    key, value = fold_bias_into_kv(key, value, bias, aux)
+    return pad_query_for_bias(query, key.shape[-1] - query.shape[-1], scaling), key, value
+
+
+def cached_gate_state(cache, layer_idx: int, head_dim: int) -> torch.Tensor | None:
+    """The per-key gate state a layer's KV cache holds after the first ``head_dim`` value channels, or ``None``."""
+    if cache is None or layer_idx >= len(cache.layers):
+        return None
+    values = getattr(cache.layers[layer_idx], "values", None)
+    if values is None or values.numel() == 0:
+        return None
+    return values[..., head_dim:]
 
 
 def replace_folded_bias(key: torch.Tensor, bias: torch.Tensor, head_dim: int) -> torch.Tensor:

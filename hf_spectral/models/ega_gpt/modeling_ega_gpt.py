@@ -29,7 +29,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ega_gpt import EGAConfig
-from .energy_gate import EnergyGate, MorletEnergy, fold_bias_into_qkv, replace_folded_bias
+from .energy_gate import EnergyGate, MorletEnergy, cached_gate_state, fold_bias_into_qkv, replace_folded_bias
 from .sequence_pooling import SequencePooling
 
 
@@ -72,16 +72,6 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
     return attn_output, attn_weights
-
-
-def cached_gate_state(cache: Cache | None, layer_idx: int, head_dim: int) -> torch.Tensor | None:
-    """The per-key gate state stored after the first ``head_dim`` value channels of a layer's cache."""
-    if cache is None or layer_idx >= len(cache.layers):
-        return None
-    values = getattr(cache.layers[layer_idx], "values", None)
-    if values is None or values.numel() == 0:
-        return None
-    return values[..., head_dim:]
 
 
 class EGAMLP(nn.Module):

@@ -1,0 +1,114 @@
+"""Calibration of CHIAR-Former's entropy thresholds to percentiles of the entropies a model sees on data.
+
+The authors set τ_lo / τ_hi to the 33rd / 67th percentiles of the measured spectral entropies (0.855 / 0.865 at
+d = 256). Thresholds depend on the width, the data and the training state, so a fixed default is meaningless for
+any other model: calibrate after (or during) training, on a sample of the training data.
+"""
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+# 3 operators: the authors' percentiles. 2 operators (DCT / attention): τ_mid at the 75th percentile sends ≈ 25% of
+# the tokens to attention, the fraction behind the authors' 62.5% attention-FLOP saving (SPEC 2.3).
+DEFAULT_PERCENTILES = {3: (33.0, 67.0), 2: (75.0,)}
+
+
+def _as_model_inputs(batch) -> dict:
+    if isinstance(batch, torch.Tensor):
+        return {"input_ids": batch}
+    if isinstance(batch, (list, tuple)):
+        return {"input_ids": batch[0]}
+    return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "inputs_embeds", "position_ids")}
+
+
+@torch.no_grad()
+def measure_entropies(model, dataloader: Iterable, max_batches: int | None = None) -> list[torch.Tensor]:
+    """Spectral entropies of the non-padding tokens at each routed layer, one 1-D tensor per routed layer.
+
+    ``dataloader`` yields tensors of input ids, tuples whose first item is the input ids, or dicts with
+    ``input_ids`` (and optionally ``attention_mask``).
+    """
+    device = next(model.parameters()).device
+    collected = [[] for _ in model.config.routed_layers]
+    for step, batch in enumerate(dataloader):
+        if max_batches is not None and step >= max_batches:
+            break
+        inputs = {k: v.to(device) for k, v in _as_model_inputs(batch).items()}
+        outputs = model(**inputs, use_cache=False)
+        mask = inputs.get("attention_mask")
+        for store, entropy in zip(collected, outputs.routing_entropies):
+            store.append((entropy[mask.bool()] if mask is not None else entropy.flatten()).float().cpu())
+    if not collected or not collected[0]:
+        raise ValueError("the dataloader yielded no batches (or the model has no routed layer)")
+    return [torch.cat(store) for store in collected]
+
+
+def _percentiles(values: torch.Tensor, percentiles: Sequence[float]) -> list[float]:
+    q = torch.tensor([p / 100.0 for p in percentiles], dtype=torch.float64)
+    return [float(v) for v in torch.quantile(values.double(), q)]
+
+
+def calibrate_thresholds(
+    model,
+    dataloader: Iterable,
+    percentiles: Sequence[float] | None = None,
+    per_layer: bool = False,
+    max_batches: int | None = None,
+) -> dict:
+    """Set the routing thresholds of ``model.config`` to percentiles of the entropies measured on ``dataloader``.
+
+    Args:
+        model: a CHIAR-Former (any head) with threshold routing.
+        dataloader: see :func:`measure_entropies`; it is iterated once per pass, so it must be re-iterable.
+        percentiles: one value (τ_mid, 2 routed operators) or two (τ_lo, τ_hi, 3 operators) in [0, 100];
+            default 75 (≈ 25% of tokens to attention) or the authors' 33 / 67.
+        per_layer: False (default): one τ set shared by all routed layers (the `tau_*` fields), from the pooled
+            entropies of every routed layer in a single pass. True: one set per routed layer (`layer_thresholds`),
+            calibrated layer after layer — each layer's entropies are measured with the earlier layers already
+            routing by their final thresholds, so each layer hits its percentiles on this data.
+        max_batches: stop each pass after this many batches.
+
+    Returns ``{"thresholds": {layer index: [τ...]}, "percentiles": [...]}``; the model routes with the new
+    thresholds from its next forward pass on.
+    """
+    config = model.config
+    if config.router_type != "threshold":
+        raise ValueError(f"thresholds are calibrated for `router_type='threshold'`, not {config.router_type!r}")
+    if not config.routed_layers:
+        raise ValueError("the model has no routed layer (`layer_operators` has no 'routed' entry)")
+    num_thresholds = len(config.routed_operators) - 1
+    percentiles = tuple(percentiles) if percentiles is not None else DEFAULT_PERCENTILES[num_thresholds + 1]
+    if len(percentiles) != num_thresholds or any(not 0 <= p <= 100 for p in percentiles):
+        raise ValueError(
+            f"`percentiles` must hold {num_thresholds} value(s) in [0, 100] for {num_thresholds + 1} routed operators, "
+            f"got {percentiles!r}"
+        )
+    if list(percentiles) != sorted(percentiles):
+        raise ValueError(f"`percentiles` must be non-decreasing, got {percentiles!r}")
+
+    was_training = model.training
+    model.eval()
+    try:
+        if per_layer:
+            thresholds = list(config.layer_thresholds or [None] * config.num_hidden_layers)
+            for position, layer_idx in enumerate(config.routed_layers):
+                entropies = measure_entropies(model, dataloader, max_batches)[position]
+                thresholds[layer_idx] = _percentiles(entropies, percentiles)
+                config.layer_thresholds = thresholds
+            result = {i: thresholds[i] for i in config.routed_layers}
+        else:
+            entropies = torch.cat(measure_entropies(model, dataloader, max_batches))
+            values = _percentiles(entropies, percentiles)
+            if num_thresholds == 1:
+                config.tau_mid = values[0]
+            else:
+                config.tau_lo, config.tau_hi = values
+            config.layer_thresholds = None
+            result = dict.fromkeys(config.routed_layers, values)
+    finally:
+        model.train(was_training)
+    return {"thresholds": result, "percentiles": list(percentiles)}
+
+
+__all__ = ["DEFAULT_PERCENTILES", "calibrate_thresholds", "measure_entropies"]

@@ -1,0 +1,126 @@
+"""FLOP counter of a CHIAR-Former forward pass from the routing it actually took.
+
+FLOPs are 2 × the multiply-accumulates of the matrix products the implementation executes (projections, DCT
+matrices, random-feature products, attention scores and weighted values, FFN, LM head); elementwise work
+(softmax, GELU, LayerNorm, exponentials) is not counted. Attention scores are counted over the (query, key) pairs
+a query may see — the valid keys at or before it in a causal model — which is the algorithmic cost; a dense
+kernel that ignores the causal mask does up to twice that.
+"""
+
+import math
+
+import torch
+
+from .configuration_chiar_former import ChiarConfig
+
+
+def _visible_keys(queries: torch.Tensor, key_valid: torch.Tensor, past_length: int, is_causal: bool) -> int:
+    """Σ over the query tokens ``queries`` (B, T) bool of the number of keys each sees (its own slot included)."""
+    if not bool(queries.any()):
+        return 0
+    if is_causal:
+        seen = key_valid.long().cumsum(-1)[:, past_length:]  # valid keys at slots ≤ each query's slot
+    else:
+        seen = key_valid.long().sum(-1, keepdim=True).expand(-1, queries.shape[1])
+    own_slot_invalid = ~key_valid[:, past_length:]
+    return int(((seen + own_slot_invalid.long()) * queries).sum())
+
+
+def _attention_flops(config: ChiarConfig, tokens: int, queries: int, pairs: int) -> tuple[int, int]:
+    d = config.hidden_size
+    projections = 2 * d * d * (2 * tokens + 2 * queries)  # keys/values for every token, queries/outputs for routed
+    core = 2 * 2 * d * pairs  # q·k and Σ p v, summed over heads
+    return projections + core, core
+
+
+def _dct_flops(config: ChiarConfig, vectors: int) -> int:
+    d = config.hidden_size
+    if config.dct_implementation == "matrix":
+        return 2 * vectors * d * d
+    # One complex length-d FFT per vector, ≈ 5 d log2 d real FLOPs (not matrix work, counted as an estimate).
+    return int(5 * vectors * d * math.log2(d))
+
+
+def _rbf_flops(config: ChiarConfig, batch: int, length: int, selected: int) -> int:
+    d, features = config.hidden_size, config.rbf_num_features
+    tokens = batch * length
+    flops = 2 * tokens * d * d + 2 * tokens * d * features  # values; features xω
+    if config.rbf_variant == "authors":
+        flops += 2 * batch * length * length * (2 * features + d)  # softmax(φφᵀ) v over all pairs
+    elif config.is_causal:
+        chunk = config.rbf_chunk_size
+        padded = batch * (-(-length // chunk) * chunk)
+        flops += 2 * padded * features * (d + 1) * 2  # chunk sums and inter-chunk read-out
+        flops += 2 * padded * chunk * (features + d + 1)  # intra-chunk scores and weighted values
+    else:
+        flops += 2 * tokens * features * (d + 1) * 2  # global sums and read-out
+    return flops + 2 * selected * d * d  # output projection of the tokens that took the operator
+
+
+def count_flops(
+    config: ChiarConfig,
+    batch_size: int,
+    seq_len: int,
+    routing_decisions: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+    attention_mask: torch.Tensor | None = None,
+    past_length: int = 0,
+    lm_head_positions: int | None = None,
+) -> dict:
+    """FLOPs of one forward pass over ``batch_size`` × ``seq_len`` new tokens (after ``past_length`` cached ones).
+
+    ``routing_decisions`` are the model output's ``routing_decisions`` (one (B, T) tensor per routed layer);
+    ``attention_mask`` is the (B, past + T) padding mask given to the model. ``lm_head_positions`` counts the LM
+    head over that many positions per row (None: no head). Returns ``{"attention", "attention_core", "dct",
+    "rbf", "ffn", "router", "lm_head", "total", "per_layer"}``; ``per_layer`` holds one such dict per layer.
+    """
+    routed_layers = config.routed_layers
+    if len(routing_decisions) != len(routed_layers):
+        raise ValueError(f"expected {len(routed_layers)} routing decisions (one per routed layer), got {len(routing_decisions)}")
+    d = config.hidden_size
+    tokens = batch_size * seq_len
+    if attention_mask is None:
+        attention_mask = torch.ones(batch_size, past_length + seq_len, dtype=torch.bool)
+    key_valid = attention_mask.bool().cpu()
+    all_tokens = torch.ones(batch_size, seq_len, dtype=torch.bool)
+    dense_routing = config.router_type == "soft" or config.routed_execution == "dense"
+    decisions = dict(zip(routed_layers, routing_decisions))
+
+    per_layer = []
+    for layer_idx, layer_op in enumerate(config.layer_operators):
+        operators = config.layer_operator_set(layer_idx)
+        counts = dict.fromkeys(("attention", "attention_core", "dct", "rbf", "router"), 0)
+        if layer_op == "routed":
+            routes = decisions[layer_idx].cpu()
+            counts["dct"] += _dct_flops(config, tokens)  # spectrum of every token, for the entropy
+            if config.router_type != "threshold":
+                counts["router"] = 2 * tokens * (d + 1) * len(operators)
+        else:
+            routes = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        for k, operator in enumerate(operators):
+            chosen = all_tokens if dense_routing else routes == k
+            if operator == "attention":
+                pairs = _visible_keys(chosen, key_valid, past_length, config.is_causal)
+                total, core = _attention_flops(config, tokens, int(chosen.sum()), pairs)
+                counts["attention"] += total
+                counts["attention_core"] += core
+            elif operator == "dct":
+                if layer_op == "routed":
+                    counts["dct"] += _dct_flops(config, int(chosen.sum()))  # inverse DCT of the filtered spectrum
+                elif config.dct_implementation == "matrix":
+                    counts["dct"] += _dct_flops(config, tokens) + 2 * d**3  # folded Dᵀ diag(f) D, then one matmul
+                else:
+                    counts["dct"] += 2 * _dct_flops(config, tokens)  # DCT and inverse DCT
+            else:
+                counts["rbf"] += _rbf_flops(config, batch_size, seq_len, int(chosen.sum()))
+        counts["ffn"] = 2 * 2 * tokens * d * config.intermediate_size
+        counts["total"] = counts["attention"] + counts["dct"] + counts["rbf"] + counts["router"] + counts["ffn"]
+        per_layer.append(counts)
+
+    summary = {key: sum(layer[key] for layer in per_layer) for key in per_layer[0]}
+    summary["lm_head"] = 2 * batch_size * lm_head_positions * d * config.vocab_size if lm_head_positions else 0
+    summary["total"] += summary["lm_head"]
+    summary["per_layer"] = per_layer
+    return summary
+
+
+__all__ = ["count_flops"]

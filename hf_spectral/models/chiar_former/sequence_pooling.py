@@ -1,0 +1,1 @@
+../ega_gpt/sequence_pooling.py

@@ -1,0 +1,362 @@
+"""Pure tensor operations of CHIAR-Former (SPEC 2.1): DCT, spectral entropy, DCT mixing, random-feature kernel
+mixing, rotary positions, routing and the index bookkeeping of sparse (gathered-query) attention.
+
+Every function works on the last axis as the hidden axis and on any leading shape unless its docstring gives
+shapes. Nothing here holds parameters; the modules of ``modeling_chiar_former.py`` own them.
+"""
+
+import functools
+import math
+
+import torch
+from torch.nn import functional as F
+
+DCT_IMPLEMENTATIONS = ("matrix", "fft")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Orthonormal DCT-II / DCT-III over the hidden axis
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def dct_matrix(size: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Orthonormal DCT-II matrix D (size × size): ``D[k, n] = s_k cos(π (n + ½) k / N)``, s_0 = √(1/N),
+    s_k = √(2/N). ``X = x @ D.T`` is the DCT-II of x, ``x = X @ D`` its inverse (DCT-III); D is orthogonal."""
+    n = torch.arange(size, dtype=torch.float64, device=device)
+    matrix = torch.cos(math.pi * (n[None, :] + 0.5) * n[:, None] / size) * math.sqrt(2.0 / size)
+    matrix[0] /= math.sqrt(2.0)
+    return matrix.to(dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def cached_dct_matrix(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`dct_matrix`, built once per (size, dtype, device): layers call it on every forward pass."""
+    return dct_matrix(size, dtype, device)
+
+
+def _dct_twiddle(size: int, dtype: torch.dtype, device) -> torch.Tensor:
+    k = torch.arange(size, dtype=torch.float64, device=device)
+    scale = torch.full((size,), math.sqrt(2.0 / size), dtype=torch.float64, device=device)
+    scale[0] = math.sqrt(1.0 / size)
+    return (torch.polar(torch.ones_like(k), -math.pi * k / (2 * size)) * scale).to(
+        torch.complex128 if dtype == torch.float64 else torch.complex64
+    )
+
+
+def dct_fft(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal DCT-II through one length-N complex FFT (Makhoul 1980): reorder x as [x₀, x₂, …, x₃, x₁],
+    FFT, rotate by e^{−iπk/2N} and scale. Same result as ``x @ dct_matrix(N).T`` up to rounding."""
+    size = x.shape[-1]
+    reordered = torch.cat([x[..., ::2], x[..., 1::2].flip(-1)], dim=-1)
+    spectrum = torch.fft.fft(reordered, dim=-1)
+    return (spectrum * _dct_twiddle(size, x.dtype, x.device)).real.to(x.dtype)
+
+
+def idct_fft(X: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`dct_fft` (orthonormal DCT-III) through one length-N complex inverse FFT."""
+    size = X.shape[-1]
+    twiddle = _dct_twiddle(size, X.dtype, X.device)
+    # Rebuild the Hermitian-symmetric spectrum V_k = (X_k − i X_{N−k}) / twiddle_k with X_N = 0.
+    mirrored = torch.cat([torch.zeros_like(X[..., :1]), X[..., 1:].flip(-1)], dim=-1)
+    spectrum = torch.complex(X, -mirrored) / twiddle
+    reordered = torch.fft.ifft(spectrum, dim=-1).real.to(X.dtype)
+    x = torch.empty_like(X)
+    half = (size + 1) // 2
+    x[..., ::2] = reordered[..., :half]
+    x[..., 1::2] = reordered[..., half:].flip(-1)
+    return x
+
+
+def dct(x: torch.Tensor, implementation: str = "matrix", matrix: torch.Tensor | None = None) -> torch.Tensor:
+    """Orthonormal DCT-II of x over its last axis.
+
+    ``implementation="matrix"`` multiplies by the N×N DCT matrix (O(N²) per vector, but one BLAS call);
+    ``"fft"`` uses :func:`dct_fft` (O(N log N)). On CPU at N = 256 the matrix form is about twice as fast
+    (``benchmarks/bench_chiar_former.py`` measures both), so it is the default. ``matrix`` may be passed in
+    to avoid rebuilding it.
+    """
+    if implementation == "fft":
+        return dct_fft(x)
+    if implementation != "matrix":
+        raise ValueError(f"unknown DCT implementation {implementation!r}; expected one of {DCT_IMPLEMENTATIONS}")
+    if matrix is None:
+        matrix = dct_matrix(x.shape[-1], x.dtype, x.device)
+    return x @ matrix.T
+
+
+def idct(X: torch.Tensor, implementation: str = "matrix", matrix: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`dct` (orthonormal DCT-III) over the last axis."""
+    if implementation == "fft":
+        return idct_fft(X)
+    if implementation != "matrix":
+        raise ValueError(f"unknown DCT implementation {implementation!r}; expected one of {DCT_IMPLEMENTATIONS}")
+    if matrix is None:
+        matrix = dct_matrix(X.shape[-1], X.dtype, X.device)
+    return X @ matrix
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Spectral entropy and DCT mixing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def spectral_entropy_from_spectrum(spectrum: torch.Tensor, dc_power_scale: float = 1.0) -> torch.Tensor:
+    """Normalised spectral entropy H = −Σ_k p_k log p_k / log N, p_k = X_k² / Σ_j X_j², of DCT coefficients X
+    (..., N) -> (...). H ∈ [0, 1]: 0 when one coefficient holds all the power, 1 for a flat power spectrum;
+    a zero vector gets H = 0.
+
+    ``dc_power_scale`` multiplies the k = 0 power before normalising. The authors compute the DCT with an
+    unnormalised FFT construction that gives the k = 0 coefficient twice the power of the orthonormal DCT
+    (their X_0 misses the 1/√2 factor); ``dc_power_scale=2`` reproduces their entropies, the default 1 is the
+    orthonormal definition of SPEC 2.1.
+    """
+    power = spectrum.float().square()
+    if dc_power_scale != 1.0:
+        power = torch.cat([power[..., :1] * dc_power_scale, power[..., 1:]], dim=-1)
+    total = power.sum(-1, keepdim=True)
+    p = power / total.clamp_min(torch.finfo(power.dtype).tiny)
+    # log(max(p, tiny)) keeps the gradient finite where a coefficient is exactly zero (0 · log(tiny) = 0).
+    plogp = p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))
+    return (-plogp.sum(-1) / math.log(spectrum.shape[-1])).to(spectrum.dtype)
+
+
+def spectral_entropy(
+    x: torch.Tensor, implementation: str = "matrix", dc_power_scale: float = 1.0
+) -> torch.Tensor:
+    """Normalised spectral entropy of each vector x (..., N) -> (...): :func:`spectral_entropy_from_spectrum`
+    of its orthonormal DCT-II."""
+    return spectral_entropy_from_spectrum(dct(x, implementation), dc_power_scale)
+
+
+def dct_filter_matrix(spectral_filter: torch.Tensor, matrix: torch.Tensor | None = None) -> torch.Tensor:
+    """The N×N matrix W = Dᵀ diag(f) D with ``x @ W == idct(dct(x) * f)``: DCT mixing folded into one matmul."""
+    if matrix is None:
+        matrix = dct_matrix(spectral_filter.shape[-1], spectral_filter.dtype, spectral_filter.device)
+    return matrix.T @ (spectral_filter[:, None] * matrix)
+
+
+def dct_mixing(
+    x: torch.Tensor, spectral_filter: torch.Tensor, implementation: str = "matrix", matrix: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The DCT mixing branch iDCT(DCT(x) ⊙ f) over the hidden axis, x (..., N), f (N,) -> (..., N).
+
+    The CHIAR operator is LN(x + iDCT(DCT(x) ⊙ f)) (SPEC 2.1); the residual and the LayerNorm belong to the layer
+    (post-LN by default), so this returns the branch only. It acts on each token alone: causal by construction.
+    The matrix form applies the folded filter Dᵀ diag(f) D in one matmul.
+    """
+    if implementation == "matrix":
+        return x @ dct_filter_matrix(spectral_filter, matrix).to(x.dtype)
+    return idct(dct(x, implementation) * spectral_filter, implementation)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RBF kernel mixing: random features of the Gaussian kernel exp(−γ ‖x − y‖²)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def positive_random_features(x: torch.Tensor, omega: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Positive random features of the Gaussian kernel (FAVOR+, Choromanski et al. 2021), x (..., d), ω (d, R)
+    with columns ~ N(0, 2γ I) -> φ(x) (..., R), φ(x) = exp(ωᵀx − 2γ‖x‖²) / √R, so that
+    E[φ(x)·φ(y)] = exp(−γ ‖x − y‖²). Positive features keep the kernel-attention normaliser Σ φ(q)·φ(k) > 0.
+    Computed in float32 (the exponent is not scale-free)."""
+    x = x.float()
+    exponent = x @ omega.float() - 2.0 * gamma * x.square().sum(-1, keepdim=True)
+    return torch.exp(exponent) / math.sqrt(omega.shape[-1])
+
+
+def trigonometric_random_features(x: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """The authors' random Fourier features φ(x) = [cos(xω), sin(xω)] / √R, x (..., d), ω (d, R) -> (..., 2R),
+    with E[φ(x)·φ(y)] = exp(−γ ‖x − y‖²) for ω ~ N(0, 2γ I). Not positive: usable only inside a softmax."""
+    projected = x.float() @ omega.float()
+    return torch.cat([projected.cos(), projected.sin()], dim=-1) / math.sqrt(omega.shape[-1])
+
+
+def kernel_attention_state(phi_k: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Sum over positions of φ(k_j) [v_j, 1]ᵀ: phi_k (B, T, R), values (B, T, d) -> state (B, R, d + 1).
+    The last column is the normaliser Σ φ(k_j). Zero rows of phi_k (padding) contribute nothing."""
+    augmented = torch.cat([values.float(), values.new_ones(values.shape[:-1] + (1,), dtype=torch.float32)], -1)
+    return phi_k.transpose(1, 2) @ augmented
+
+
+def _read_out(numerator_and_normaliser: torch.Tensor, eps: float) -> torch.Tensor:
+    return numerator_and_normaliser[..., :-1] / (numerator_and_normaliser[..., -1:] + eps)
+
+
+def causal_kernel_attention(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    values: torch.Tensor,
+    past_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal linear (kernel) attention with prefix sums (Katharopoulos et al. 2020):
+
+        out_i = Σ_{j ≤ i} (φ(q_i)·φ(k_j)) v_j / Σ_{j ≤ i} φ(q_i)·φ(k_j),
+
+    phi_q, phi_k (B, T, R), values (B, T, d) -> (out (B, T, d), state (B, R, d + 1)). ``past_state`` is the
+    :func:`kernel_attention_state` of every earlier token (generation), the returned state includes the new ones.
+    Computed chunk by chunk: the prefix sums are carried between chunks of ``chunk_size`` positions and each chunk
+    adds its own masked C × C block, O(T·R·d + T·C·(R + d)) time and O(T/C · R · d) memory instead of a
+    (T, R, d) tensor of running sums. Padding keys must have φ(k) = 0.
+    """
+    batch, length, features = phi_k.shape
+    width = values.shape[-1] + 1
+    state = phi_k.new_zeros(batch, features, width) if past_state is None else past_state.float()
+    chunks = -(-length // chunk_size)
+    padded = chunks * chunk_size - length
+    phi_q, phi_k = phi_q.float(), phi_k.float()
+    augmented = torch.cat([values.float(), phi_k.new_ones(batch, length, 1)], dim=-1)
+    if padded:
+        phi_q, phi_k, augmented = (F.pad(t, (0, 0, 0, padded)) for t in (phi_q, phi_k, augmented))
+    phi_q = phi_q.view(batch, chunks, chunk_size, features)
+    phi_k = phi_k.view(batch, chunks, chunk_size, features)
+    augmented = augmented.view(batch, chunks, chunk_size, width)
+
+    chunk_states = phi_k.transpose(-1, -2) @ augmented  # (B, n, R, d + 1)
+    running = torch.cumsum(chunk_states, dim=1)
+    before_chunk = torch.cat([torch.zeros_like(running[:, :1]), running[:, :-1]], dim=1) + state[:, None]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=phi_q.device).tril()
+    scores = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~causal, 0.0)
+    summed = phi_q @ before_chunk + scores @ augmented
+    out = _read_out(summed.view(batch, chunks * chunk_size, width)[:, :length], eps)
+    return out.to(values.dtype), state + running[:, -1]
+
+
+def bidirectional_kernel_attention(
+    phi_q: torch.Tensor, phi_k: torch.Tensor, values: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """Unmasked linear kernel attention out_i = Σ_j (φ(q_i)·φ(k_j)) v_j / Σ_j φ(q_i)·φ(k_j) over all positions
+    (encoders), O(T·R·d). Shapes as in :func:`causal_kernel_attention`; padding keys must have φ(k) = 0."""
+    state = kernel_attention_state(phi_k, values)
+    return _read_out(phi_q.float() @ state, eps).to(values.dtype)
+
+
+def authors_rbf_mixing(phi: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The authors' RBF mixing softmax(φ φᵀ) v over all tokens, phi (B, T, 2R), values (B, T, d) -> (B, T, d).
+
+    Every token reads every other token, including later ones: **not causal**, for bidirectional encoders only.
+    ``key_valid`` (B, T) excludes padding keys.
+    """
+    mask = None
+    if key_valid is not None:
+        mask = key_valid[:, None, :].expand(-1, phi.shape[1], -1)
+        mask = mask | torch.eye(phi.shape[1], dtype=torch.bool, device=phi.device)  # no empty rows at padding
+    out = F.scaled_dot_product_attention(
+        phi[:, None], phi[:, None], values.float()[:, None], attn_mask=None if mask is None else mask[:, None], scale=1.0
+    )
+    return out[:, 0].to(values.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rotary position embedding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin tables (B, T, head_dim) of RoPE (Su et al. 2021) for integer positions (B, T)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, heads, T, head_dim) by the RoPE tables cos, sin (B, T, head_dim)."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def threshold_routes(entropy: torch.Tensor, thresholds: list[float]) -> torch.Tensor:
+    """Operator index per token from its spectral entropy (SPEC 2.1), operators ordered from low to high entropy.
+
+    One threshold τ_mid: 1 (e.g. attention) if H > τ_mid, else 0 (DCT). Two thresholds τ_lo ≤ τ_hi:
+    0 if H < τ_lo, 1 if τ_lo ≤ H ≤ τ_hi, 2 if H > τ_hi. (...) -> (...) long.
+    """
+    if len(thresholds) == 1:
+        return (entropy > thresholds[0]).long()
+    if len(thresholds) == 2:
+        return (entropy >= thresholds[0]).long() + (entropy > thresholds[1]).long()
+    raise ValueError(f"threshold routing takes 1 or 2 thresholds, got {len(thresholds)}")
+
+
+def straight_through_gate(probabilities: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+    """Straight-through gate of the chosen operator, g = 1 + p_r − sg(p_r): exactly 1 in the forward pass,
+    ∂g/∂p_r = 1 backwards. probabilities (..., K), routes (...) -> (...).
+
+    Multiplying only the chosen operator's output by g is what lets a hard-routed layer skip the other
+    operators; it equals the dense one-hot formulation Σ_k onehot_k (1 + p_k − sg(p_k)) op_k, in value and in
+    gradient, since the one-hot factor zeroes every other term. (The Gumbel-style estimator onehot − sg(p) + p
+    would need every operator's output for every token, i.e. no compute saving in training.)
+    """
+    chosen = probabilities.gather(-1, routes[..., None])[..., 0]
+    return 1.0 + chosen - chosen.detach()
+
+
+def one_hot_gates(probabilities: torch.Tensor | None, routes: torch.Tensor, num_operators: int) -> torch.Tensor:
+    """Dense gates (..., K) of the one-hot-select formulation: onehot(route), times the straight-through factor
+    1 + p − sg(p) when router probabilities exist (hard routing)."""
+    gates = F.one_hot(routes, num_operators).float()
+    if probabilities is not None:
+        gates = gates * (1.0 + probabilities - probabilities.detach())
+    return gates
+
+
+def usage_entropy_penalty(probabilities: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """log K − H(ū), ū = mean router probabilities over the (valid) tokens of the batch, probabilities (B, T, K).
+
+    Zero when the operators are used equally, log K when one takes everything; adding λ times it to the loss
+    counters routing collapse. A training loss only: the route of a token never depends on this batch average.
+    """
+    if valid is None:
+        usage = probabilities.reshape(-1, probabilities.shape[-1]).mean(0)
+    else:
+        weights = valid.to(probabilities.dtype)[..., None]
+        usage = (probabilities * weights).sum((0, 1)) / weights.sum().clamp_min(1.0)
+    entropy = -(usage * torch.log(usage.clamp_min(torch.finfo(usage.dtype).tiny))).sum()
+    return math.log(probabilities.shape[-1]) - entropy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sparse execution: gathering the tokens routed to one operator
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def selected_positions(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the selected tokens of each row, in order and right-padded to the largest count.
+
+    selected (B, T) bool -> (index (B, M) long, valid (B, M) bool), M = max_b Σ_t selected[b, t]. Padding
+    entries of ``index`` point at position 0 and have ``valid`` False.
+    """
+    length = selected.shape[1]
+    counts = selected.sum(1)
+    width = int(counts.max()) if selected.numel() else 0
+    positions = torch.arange(length, device=selected.device).expand_as(selected)
+    order = torch.where(selected, positions, positions + length).argsort(dim=1)[:, :width]
+    valid = torch.arange(width, device=selected.device)[None, :] < counts[:, None]
+    return order.masked_fill(~valid, 0), valid
+
+
+def gathered_query_mask(
+    query_slots: torch.Tensor, key_valid: torch.Tensor, is_causal: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive attention mask (B, 1, M, S) for gathered queries at key slots ``query_slots`` (B, M) against
+    S keys with validity ``key_valid`` (B, S): a query sees the valid keys at slots ≤ its own (all valid keys
+    when not causal). Each query also sees its own slot, so padding queries never get an empty row."""
+    key_slots = torch.arange(key_valid.shape[1], device=key_valid.device)
+    allowed = key_valid[:, None, :].expand(-1, query_slots.shape[1], -1)
+    if is_causal:
+        allowed = allowed & (key_slots[None, None, :] <= query_slots[..., None])
+    allowed = allowed | (key_slots[None, None, :] == query_slots[..., None])
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]

@@ -1,0 +1,82 @@
+"""``hf-spectral retrofit SRC DST``: write a copy of a checkpoint folder with energy gates added."""
+
+import argparse
+import os
+import shutil
+import tempfile
+
+from .config import EnergyGateConfig
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(item) for item in text.split(",") if item.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-spectral retrofit",
+        description="Add energy gates to the checkpoint in SRC (GPT-2, Llama, Mistral, Qwen2) and save it to DST. "
+        "With the default alpha-init 0 the new model's outputs equal the original's.",
+    )
+    parser.add_argument("src", help="checkpoint folder (config.json + weights)")
+    parser.add_argument("dst", help="output folder (must not exist, unless --overwrite)")
+    parser.add_argument("--normalization", default="causal", choices=["causal", "window", "none"])
+    parser.add_argument("--energy-kind", default="linear", choices=["linear", "conv", "morlet", "db2", "db4"])
+    parser.add_argument("--projections", type=int, default=1, help="linear projections per head (EGA-k)")
+    parser.add_argument("--scales", type=_int_list, default=None, help="kernel lengths or dilations, e.g. 3,7,15,31")
+    parser.add_argument("--layers", type=_int_list, default=None, help="layer indices to gate, e.g. 0,1,2 (default all)")
+    parser.add_argument("--heads", type=_int_list, default=None, help="key/value head indices to gate (default all)")
+    parser.add_argument("--tau-init", type=float, default=0.0)
+    parser.add_argument("--alpha-init", type=float, default=0.0)
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers import AutoConfig, AutoTokenizer
+
+    import transformers
+
+    from .model import add_energy_gates, family_of_class
+
+    if not os.path.isfile(os.path.join(args.src, "config.json")):
+        raise SystemExit(f"error: {args.src} is not a checkpoint folder (no config.json)")
+    if os.path.exists(args.dst) and not args.overwrite:
+        raise SystemExit(f"error: {args.dst} exists; pass --overwrite to replace it")
+    gate_config = EnergyGateConfig(
+        normalization=args.normalization, energy_kind=args.energy_kind, projections=args.projections,
+        scales=args.scales, layers=args.layers, heads=args.heads, tau_init=args.tau_init, alpha_init=args.alpha_init,
+    )
+    config = AutoConfig.from_pretrained(args.src)
+    architecture = (config.architectures or [None])[0]
+    model_class = getattr(transformers, architecture, None) if architecture else None
+    if model_class is None:
+        raise SystemExit(f"error: cannot tell the model class of {args.src} (config.architectures={config.architectures})")
+    try:
+        family_of_class(model_class)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from error
+    model = add_energy_gates(model_class.from_pretrained(args.src), gate_config)
+
+    # Build the copy next to DST and move it into place at the end: no half-written folder on failure.
+    parent = os.path.dirname(os.path.abspath(args.dst))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".retrofit-", dir=parent)
+    try:
+        model.save_pretrained(staging)
+        try:
+            AutoTokenizer.from_pretrained(args.src).save_pretrained(staging)
+        except (OSError, ValueError, TypeError):
+            pass  # a checkpoint without tokenizer files stays without them
+        if os.path.exists(args.dst):
+            shutil.rmtree(args.dst)
+        os.replace(staging, args.dst)
+    finally:
+        if os.path.exists(staging):
+            shutil.rmtree(staging)
+    print(f"wrote {args.dst}: {architecture} with energy gates {gate_config.to_dict()}")
+    return 0

@@ -1,0 +1,427 @@
+"""The theory applied to trained models (the only part of ``hf_spectral.rmt`` that imports torch).
+
+* ``attention_pooling_weights``: the effective pooling weights of a model's attention, i.e. the attention
+  probabilities averaged over queries, per layer and head (eager attention; for EGA-GPT these are the gated,
+  renormalised probabilities Â, since the gate is folded into the logits before the softmax).
+* ``estimate_position_correlation``: an estimate R̂ of the position-correlation matrix from labelled data.
+* ``fit_rmt_pooling``: installs the top eigenvector of R̂ as the fixed weights of a ``SequencePooling`` head in
+  ``rmt_optimal`` mode (EGA-GPT's ``classifier_pooling="rmt_optimal"``, and any model with the same head).
+* ``attention_pooling_report``: α/κ of each layer's effective weights against R (given or estimated), next to
+  mean, harmonic and optimal pooling.
+
+Positions are indexed by *real* tokens (the t-th non-padding token of a sequence), as ``SequencePooling`` does, so
+left and right padding give the same result.
+
+Estimator of R (``estimate_position_correlation``). With h_t^(n) ∈ R^C the token states that the head pools and
+Y_n the label (one-hot for classes, the value for a scalar target):
+
+1. centre each position over sequences: h̃_t^(n) = h_t^(n) − h̄_t (h̄_t: mean over the sequences that have
+   position t; this removes position-embedding offsets, which carry no label information);
+2. signal direction u: top left singular vector of the cross-covariance Σ_{n,t} h̃_t^(n) (Y_n − Ȳ)ᵀ; for two
+   classes this is the class-mean difference direction of the centred states;
+3. per-position signal x_t^(n) = h̃_t^(n) · u (the theory's ξ_t‖μ‖ plus noise along u);
+4. R̂ = normalised second moment: M_st = mean over sequences having both positions of x_s x_t, R̂ = D^{-1/2} M D^{-1/2}
+   with D = diag(M). Multiplying x by the label sign (y = ±1), as one might to make the signal's mean visible,
+   leaves this second moment unchanged since y² = 1; the labels enter through u. A position whose x has no
+   variance (e.g. a fixed BOS token) gets an identity row (an independent position, weight 0 in w* whenever
+   λ_max(R̂) > 1). With variable lengths M is estimated pairwise and, if needed, projected back onto the
+   positive semi-definite cone before normalising.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .generative import validate_correlation_matrix
+from .pooling import (
+    PoolingSNR,
+    harmonic_causal_weights,
+    mean_pooling_weights,
+    optimal_pooling_weights,
+    pooling_snr,
+)
+
+__all__ = [
+    "AttentionPoolingWeights",
+    "attention_pooling_weights",
+    "PositionCorrelationEstimate",
+    "estimate_position_correlation",
+    "RMTPoolingFit",
+    "fit_rmt_pooling",
+    "attention_pooling_report",
+]
+
+LABEL_KEYS = ("labels", "label")
+
+
+def _device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:  # pragma: no cover - a model without parameters
+        return torch.device("cpu")
+
+
+def _split_batch(batch, device):
+    """(model inputs without labels, labels or None), tensors moved to ``device``."""
+    if not isinstance(batch, dict):
+        raise ValueError(f"expected dict batches (input_ids, attention_mask, labels, ...), got {type(batch).__name__}")
+    labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
+    inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k not in LABEL_KEYS}
+    return inputs, labels
+
+
+def _batches(dataloader, max_batches):
+    for index, batch in enumerate(dataloader):
+        if max_batches is not None and index >= max_batches:
+            return
+        yield batch
+
+
+@contextmanager
+def _evaluation(model):
+    """eval mode and no_grad, restoring the training flag afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+@contextmanager
+def _eager_attention(model):
+    """Run with the eager attention path (the only one that returns probabilities), restoring the previous one."""
+    config = getattr(model, "config", None)
+    previous = getattr(config, "_attn_implementation", None)
+    if previous == "eager":
+        yield
+        return
+    if not hasattr(model, "set_attn_implementation"):
+        raise ValueError(
+            f"{type(model).__name__} uses attention {previous!r}; load it with attn_implementation='eager' to "
+            "read attention probabilities"
+        )
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _align_real_tokens(states: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, ...) -> (B, T, ...) with the t-th real token of each row moved to slot t; returns it and the (B, T)
+    bool mask of filled slots. Works for left and right padding."""
+    batch, length = states.shape[:2]
+    if mask is None:
+        return states, torch.ones(batch, length, dtype=torch.bool, device=states.device)
+    mask = mask.to(states.device).bool()
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    aligned = states.new_zeros(states.shape)
+    rows = torch.arange(batch, device=states.device)[:, None].expand(batch, length)
+    aligned[rows[mask], positions[mask]] = states[mask]
+    filled = torch.arange(length, device=states.device)[None] < mask.sum(-1, keepdim=True)
+    return aligned, filled
+
+
+def _grow(array: np.ndarray, length: int, axis: int) -> np.ndarray:
+    if array.shape[axis] >= length:
+        return array
+    pad = [(0, 0)] * array.ndim
+    pad[axis] = (0, length - array.shape[axis])
+    return np.pad(array, pad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Effective pooling weights of attention
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionPoolingWeights:
+    """Attention probabilities averaged over queries.
+
+    ``head_weights[l, h, t]``: weight of key position t (real-token index) in layer l, head h: for each sequence
+    the softmax rows of its real queries are averaged (a vector summing to 1 over its keys), then averaged over
+    sequences (zero past a sequence's length, so the result still sums to 1). ``layer_weights`` averages heads.
+    """
+
+    layer_weights: np.ndarray
+    head_weights: np.ndarray
+    n_sequences: int
+
+    def snr(self, R) -> list[PoolingSNR]:
+        """α/κ of each layer's weights against R (weights truncated to R's size)."""
+        R = validate_correlation_matrix(R)
+        T = min(R.shape[0], self.layer_weights.shape[1])
+        return [pooling_snr(w[:T], R[:T, :T]) for w in self.layer_weights]
+
+
+def attention_pooling_weights(model, dataloader, *, max_batches: int | None = None) -> AttentionPoolingWeights:
+    """Effective pooling weights of every attention layer of ``model`` on the batches of ``dataloader``.
+
+    Runs ``model(**batch, output_attentions=True)`` with eager attention (switched temporarily if the model uses
+    another kernel), in eval mode, without gradients. Batches are dicts; ``labels`` are ignored.
+    """
+    device = _device(model)
+    sums, count = None, 0
+    with _evaluation(model), _eager_attention(model):
+        for batch in _batches(dataloader, max_batches):
+            inputs, _ = _split_batch(batch, device)
+            attentions = model(**inputs, output_attentions=True).attentions
+            if not attentions:
+                raise ValueError(f"{type(model).__name__} returned no attentions with output_attentions=True")
+            mask = inputs.get("attention_mask")
+            probs = torch.stack([a.float() for a in attentions], dim=1)  # (B, L, H, Tq, Tk)
+            batch_size, length = probs.shape[0], probs.shape[-1]
+            if mask is None:
+                mask = torch.ones(batch_size, length, dtype=torch.bool, device=probs.device)
+            mask = mask[:, -length:].to(probs.device).bool()
+            queries = mask[:, None, None, :, None].to(probs.dtype)
+            # average each sequence's real query rows; padded keys already have probability 0
+            per_sequence = (probs * queries).sum(-2) / mask.sum(-1).clamp(min=1)[:, None, None, None]
+            aligned, _ = _align_real_tokens(per_sequence.permute(0, 3, 1, 2), mask)  # (B, T, L, H)
+            total = aligned.sum(0).permute(1, 2, 0).cpu().double().numpy()  # (L, H, T)
+            sums = total if sums is None else _grow(sums, total.shape[-1], 2) + _grow(total, sums.shape[-1], 2)
+            count += batch_size
+    if sums is None:
+        raise ValueError("the dataloader yielded no batches")
+    heads = sums / count
+    return AttentionPoolingWeights(layer_weights=heads.mean(axis=1), head_weights=heads, n_sequences=count)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Estimating R and fitting the rmt_optimal head
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PositionCorrelationEstimate:
+    """R̂ (``matrix``, T×T, a validated correlation matrix), the unit signal direction u (``direction``, C), the
+    number of sequences with a token at each position (``counts``), the variance of the per-position signal
+    x_t before normalisation (``variances``) and the number of sequences used."""
+
+    matrix: np.ndarray
+    direction: np.ndarray
+    counts: np.ndarray
+    variances: np.ndarray
+    n_sequences: int
+
+
+class _PoolingInputs:
+    """Captures the (hidden, mask) pair a model hands to its ``.pooling`` module."""
+
+    def __init__(self, pooling):
+        self.value = None
+        self.handle = pooling.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden"]
+        mask = args[1] if len(args) > 1 else kwargs.get("mask")
+        self.value = (hidden.detach(), None if mask is None else mask.detach())
+
+    def close(self):
+        self.handle.remove()
+
+
+@contextmanager
+def _state_source(model, layer):
+    """Yields a function batch_inputs -> (states (B, T, C), mask (B, T) or None) for the chosen states."""
+    pooling = getattr(model, "pooling", None)
+    if layer is None and pooling is not None:
+        capture = _PoolingInputs(pooling)
+        try:
+            def read(inputs):
+                capture.value = None
+                model(**inputs)
+                if capture.value is None:
+                    raise ValueError(f"{type(model).__name__}.pooling was not called by the forward pass")
+                return capture.value
+
+            yield read
+        finally:
+            capture.close()
+        return
+
+    def read(inputs):
+        hidden = model(**inputs, output_hidden_states=True).hidden_states
+        if not hidden:
+            raise ValueError(f"{type(model).__name__} returned no hidden_states")
+        return hidden[-1 if layer is None else layer], inputs.get("attention_mask")
+
+    yield read
+
+
+def _label_matrix(labels: torch.Tensor, num_classes: int | None) -> tuple[np.ndarray, int]:
+    labels = labels.detach().cpu()
+    if labels.ndim == 1 and not torch.is_floating_point(labels):
+        classes = num_classes or int(labels.max()) + 1
+        if labels.min() < 0 or labels.max() >= classes:
+            raise ValueError(f"class labels must lie in [0, {classes}), got [{int(labels.min())}, {int(labels.max())}]")
+        return torch.nn.functional.one_hot(labels.long(), classes).double().numpy(), classes
+    values = labels.double().reshape(labels.shape[0], -1).numpy()
+    return values, values.shape[1]
+
+
+def estimate_position_correlation(model, dataloader, *, max_batches: int | None = None, layer: int | None = None,
+                                  min_count: int = 2, num_classes: int | None = None) -> PositionCorrelationEstimate:
+    """Estimate the position-correlation matrix R̂ from labelled batches (estimator in the module docstring).
+
+    States: the input of ``model.pooling`` when the model has one and ``layer`` is None, otherwise
+    ``hidden_states[layer]`` (default the last). Two passes over ``dataloader`` (it must be re-iterable, like a
+    ``DataLoader``): the first for the per-position means and u, the second for R̂. Positions held by fewer than
+    ``min_count`` sequences are dropped from the end. Class labels are integers (``num_classes`` defaults to the
+    largest label + 1); float labels are used as scalar/vector targets.
+    """
+    if min_count < 2:
+        raise ValueError(f"min_count must be >= 2 (a variance needs two sequences), got {min_count}")
+    device = _device(model)
+    with _evaluation(model), _state_source(model, layer) as read:
+        # pass 1: per-position sums and the state/label cross-moments
+        sum_h = sum_hy = sum_y_t = counts = None
+        n_sequences, classes = 0, num_classes
+        for batch in _batches(dataloader, max_batches):
+            inputs, labels = _split_batch(batch, device)
+            if labels is None:
+                raise ValueError("estimate_position_correlation needs labelled batches (a 'labels' entry)")
+            states, mask = read(inputs)
+            aligned, filled = _align_real_tokens(states.float(), mask)
+            h = (aligned * filled[..., None]).cpu().double().numpy()  # (B, T, C), 0 at empty slots
+            f = filled.cpu().double().numpy()  # (B, T)
+            Y, classes = _label_matrix(labels, classes)
+            if Y.shape[0] != h.shape[0]:
+                raise ValueError(f"{Y.shape[0]} labels for a batch of {h.shape[0]} sequences")
+            T = h.shape[1]
+            if sum_h is None:
+                sum_h, counts = np.zeros((T, h.shape[2])), np.zeros(T)
+                sum_hy, sum_y_t = np.zeros((h.shape[2], Y.shape[1])), np.zeros((T, Y.shape[1]))
+            sum_h, counts, sum_y_t = _grow(sum_h, T, 0), _grow(counts, T, 0), _grow(sum_y_t, T, 0)
+            sum_h[:T] += h.sum(0)
+            counts[:T] += f.sum(0)
+            sum_hy += np.einsum("btc,bk->ck", h, Y)
+            sum_y_t[:T] += f.T @ Y
+            n_sequences += h.shape[0]
+        if sum_h is None:
+            raise ValueError("the dataloader yielded no batches")
+        keep = int(np.sum(counts >= min_count))
+        if keep < 1:
+            raise ValueError(f"no position is held by {min_count} or more sequences")
+        mean_h = sum_h / np.maximum(counts, 1)[:, None]
+        cross = sum_hy - mean_h.T @ sum_y_t  # Σ_{n,t} (h_t − h̄_t) Y_nᵀ; Ȳ drops out since Σ (h_t − h̄_t) = 0
+        left, singular, _ = np.linalg.svd(cross, full_matrices=False)
+        if singular[0] <= 1e-12 * max(1.0, np.abs(sum_hy).max()):
+            raise ValueError("the states carry no label information (zero state/label cross-covariance)")
+        u = left[:, 0]
+
+        # pass 2: second moment of the per-position signal x_t = (h_t − h̄_t)·u
+        moment, pairs = np.zeros((keep, keep)), np.zeros((keep, keep))
+        for batch in _batches(dataloader, max_batches):
+            inputs, _ = _split_batch(batch, device)
+            states, mask = read(inputs)
+            aligned, filled = _align_real_tokens(states.float(), mask)
+            h = aligned.cpu().double().numpy()[:, :keep]
+            f = filled.cpu().double().numpy()[:, :keep]
+            T = h.shape[1]
+            x = ((h - mean_h[:T]) @ u) * f
+            moment[:T, :T] += x.T @ x
+            pairs[:T, :T] += f.T @ f
+    M = moment / np.maximum(pairs, 1)
+    variances = np.diag(M).copy()
+    R = _normalise_second_moment(M)
+    return PositionCorrelationEstimate(matrix=R, direction=u, counts=counts[:keep], variances=variances,
+                                       n_sequences=n_sequences)
+
+
+def _normalise_second_moment(M: np.ndarray) -> np.ndarray:
+    """Second moment -> correlation matrix: PSD projection if pairwise estimation broke it, unit diagonal,
+    identity rows for positions without variance."""
+    M = (M + M.T) / 2
+    values, vectors = np.linalg.eigh(M)
+    if values[0] < 0:
+        M = (vectors * np.clip(values, 0, None)) @ vectors.T
+    scale = np.diag(M).copy()
+    dead = scale <= 1e-12 * max(scale.max(), 1e-300)
+    root = np.sqrt(np.where(dead, 1.0, scale))
+    R = M / np.outer(root, root)
+    R[dead, :] = 0.0
+    R[:, dead] = 0.0
+    np.fill_diagonal(R, 1.0)
+    return validate_correlation_matrix(np.clip(R, -1.0, 1.0), name="estimated R")
+
+
+@dataclass
+class RMTPoolingFit:
+    """Result of ``fit_rmt_pooling``: the installed ``weights`` (unit norm, length T̂ ≤ the head's table; later
+    positions get 0), the estimate it came from, the top eigenvalues of R̂ and α/κ of the installed weights,
+    of mean pooling over the same positions and of the weights the head held before."""
+
+    weights: np.ndarray
+    estimate: PositionCorrelationEstimate
+    eigenvalues: np.ndarray
+    snr_optimal: PoolingSNR
+    snr_mean: PoolingSNR
+    snr_previous: PoolingSNR | None
+
+
+def fit_rmt_pooling(model, dataloader, *, max_batches: int | None = None, min_count: int = 2,
+                    num_classes: int | None = None) -> RMTPoolingFit:
+    """Estimate R̂ from labelled training batches and install its top eigenvector in ``model.pooling``.
+
+    Works for any model whose ``pooling`` attribute is a ``SequencePooling`` in ``rmt_optimal`` mode (it needs
+    ``mode == "rmt_optimal"`` and ``set_position_weights``), e.g. ``EGAForSequenceClassification`` built with
+    ``classifier_pooling="rmt_optimal"``. The weights are a buffer, so ``save_pretrained`` keeps them. Fitting at
+    initialisation (states close to the embeddings) and training afterwards, or fitting a trained model, both
+    work; refitting replaces the weights.
+    """
+    pooling = getattr(model, "pooling", None)
+    if pooling is None or not hasattr(pooling, "set_position_weights"):
+        raise ValueError(f"{type(model).__name__} has no SequencePooling head (.pooling with set_position_weights)")
+    if getattr(pooling, "mode", None) != "rmt_optimal":
+        raise ValueError(
+            f"{type(model).__name__}.pooling is in {getattr(pooling, 'mode', None)!r} mode; build the model with "
+            "classifier_pooling='rmt_optimal' to fit RMT-optimal weights"
+        )
+    estimate = estimate_position_correlation(model, dataloader, max_batches=max_batches, min_count=min_count,
+                                             num_classes=num_classes)
+    T = min(estimate.matrix.shape[0], pooling.max_positions)
+    R = estimate.matrix[:T, :T]
+    previous = pooling.position_weights.detach().cpu().double().numpy()[:T]
+    weights = optimal_pooling_weights(R)
+    pooling.set_position_weights(torch.as_tensor(weights, dtype=pooling.position_weights.dtype))
+    return RMTPoolingFit(
+        weights=weights, estimate=estimate, eigenvalues=np.linalg.eigvalsh(R)[::-1][:5],
+        snr_optimal=pooling_snr(weights, R), snr_mean=pooling_snr(mean_pooling_weights(T), R),
+        snr_previous=pooling_snr(previous, R) if np.any(previous) else None,
+    )
+
+
+def attention_pooling_report(model, dataloader, correlation=None, *, max_batches: int | None = None) -> list[dict]:
+    """α, κ, α/κ of each layer's effective attention weights against R, plus reference poolings.
+
+    ``correlation``: a T×T matrix (e.g. the known R of a synthetic task) or None to estimate it from the same
+    labelled batches (``estimate_position_correlation``). Rows: one per layer (``pooling = "attention layer l"``),
+    then ``mean``, ``harmonic (strictly causal)``, ``harmonic (with self)`` and ``optimal`` on the same positions.
+    """
+    measured = attention_pooling_weights(model, dataloader, max_batches=max_batches)
+    if correlation is None:
+        correlation = estimate_position_correlation(model, dataloader, max_batches=max_batches).matrix
+    R = validate_correlation_matrix(correlation)
+    T = min(R.shape[0], measured.layer_weights.shape[1])
+    R = R[:T, :T]
+    rows = []
+    for index, (w, snr) in enumerate(zip(measured.layer_weights, measured.snr(R))):
+        rows.append({"pooling": f"attention layer {index}", "alpha": snr.alpha, "kappa": snr.kappa,
+                     "alpha_over_kappa": snr.ratio, "weight_first_quarter": float(w[: max(1, T // 4)].sum() / w[:T].sum())})
+    references = {"mean": mean_pooling_weights(T), "optimal": optimal_pooling_weights(R)}
+    if T >= 2:
+        references["harmonic (strictly causal)"] = harmonic_causal_weights(T)
+    references["harmonic (with self)"] = harmonic_causal_weights(T, include_self=True)
+    for name, w in references.items():
+        snr = pooling_snr(w, R)
+        rows.append({"pooling": name, "alpha": snr.alpha, "kappa": snr.kappa, "alpha_over_kappa": snr.ratio,
+                     "weight_first_quarter": float(np.abs(w[: max(1, T // 4)]).sum() / np.abs(w).sum())})
+    return rows

@@ -1,0 +1,135 @@
+"""Presets: model size plus the training schedule, and the ``TrainingArguments`` they stand for.
+
+Every number of a preset can be overridden on the command line; the preset only supplies defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LMPreset:
+    """One model size and training schedule for a character-level language-model benchmark.
+
+    ``batch_size`` is the global batch (per optimizer step, over all processes): under ``torchrun`` each of
+    the N processes gets ``batch_size / N`` examples, so the optimisation is the same on 1 or N processes.
+    """
+
+    description: str
+    num_hidden_layers: int
+    num_attention_heads: int
+    hidden_size: int
+    context_length: int
+    batch_size: int
+    max_steps: int
+    warmup_steps: int
+    learning_rate: float = 3e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = "cosine"
+    dropout: float = 0.1
+    eval_steps: int = 250  # validation-curve points
+    eval_batches: int = 50  # curve points average this many batches of a fixed validation subset (authors: 50)
+    final_eval_batches: int | None = None  # final losses: None = the whole validation split
+    leak_free_batches: int | None = None  # leak-free loss of `window` models: None = the whole validation split
+    save_steps: int = 500
+    logging_steps: int = 50
+    variants: tuple = ("BASE", "EGA-1")
+    seeds: tuple = (0,)
+
+    def replace(self, **changes) -> "LMPreset":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# The authors' setup (SPEC 1.4), shared by every character-level benchmark.
+AUTHORS = LMPreset(
+    description="EGA authors' setup (SPEC 1.4): 6 layers, 8 heads, C=256, context 256, batch 64, 5000 steps",
+    num_hidden_layers=6, num_attention_heads=8, hidden_size=256, context_length=256,
+    batch_size=64, max_steps=5000, warmup_steps=300, eval_steps=250, eval_batches=50, save_steps=500,
+    variants=("BASE", "EGA-1", "EGA-2", "EGA-4", "EGA-C", "EGA-M-F", "EGA-M", "EGA-DB2", "EGA-DB4"),
+)
+
+# The scale of this project's CPU reproduction (results/ega/): 4 layers, 4 heads, C=128, context 128.
+CPU = LMPreset(
+    description="CPU reproduction scale: 4 layers, 4 heads, C=128, context 128, batch 32, 1000 steps",
+    num_hidden_layers=4, num_attention_heads=4, hidden_size=128, context_length=128,
+    batch_size=32, max_steps=1000, warmup_steps=100, eval_steps=100, eval_batches=10, save_steps=200,
+    logging_steps=25, variants=("BASE", "EGA-1", "EGA-1:window"),
+)
+
+# For tests: seconds, not minutes. Numbers mean nothing.
+SMOKE = LMPreset(
+    description="smoke test: 2 layers, 2 heads, C=32, context 32, batch 8, 12 steps",
+    num_hidden_layers=2, num_attention_heads=2, hidden_size=32, context_length=32,
+    batch_size=8, max_steps=12, warmup_steps=2, eval_steps=6, eval_batches=2, final_eval_batches=4,
+    leak_free_batches=1, save_steps=6, logging_steps=3, variants=("BASE", "EGA-1"),
+)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def training_arguments(preset: LMPreset, output_dir: str, seed: int, **overrides):
+    """``TrainingArguments`` for one run of ``preset``: AdamW, warm-up + cosine, clipping, step-based
+    evaluation / checkpointing, progress bars, no external loggers (``report_to`` can turn them on)."""
+    import torch
+    from transformers import TrainingArguments
+
+    processes = world_size()
+    if preset.batch_size % processes:
+        raise ValueError(f"batch_size {preset.batch_size} is not divisible by the {processes} processes")
+    per_device = preset.batch_size // processes
+    arguments = dict(
+        output_dir=output_dir,
+        max_steps=preset.max_steps,
+        per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=per_device,
+        learning_rate=preset.learning_rate,
+        adam_beta1=preset.adam_beta1,
+        adam_beta2=preset.adam_beta2,
+        weight_decay=preset.weight_decay,
+        max_grad_norm=preset.max_grad_norm,
+        lr_scheduler_type=preset.lr_scheduler_type,
+        warmup_steps=preset.warmup_steps,
+        eval_strategy="steps",
+        eval_steps=preset.eval_steps,
+        save_strategy="steps",
+        save_steps=preset.save_steps,
+        save_total_limit=2,
+        logging_strategy="steps",
+        logging_steps=preset.logging_steps,
+        logging_first_step=True,
+        report_to="none",
+        seed=seed,
+        data_seed=seed,
+        dataloader_drop_last=True,
+        remove_unused_columns=False,
+        prediction_loss_only=False,
+        disable_tqdm=False,
+        # CPU processes talk through gloo; NCCL is used when every process has a GPU.
+        ddp_backend=None if torch.cuda.is_available() else ("gloo" if processes > 1 else None),
+        ddp_find_unused_parameters=False,
+    )
+    arguments.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainingArguments(**arguments)
+
+
+@dataclass
+class HubOptions:
+    """``--push_to_hub`` and friends, passed to ``TrainingArguments`` unchanged."""
+
+    push_to_hub: bool = False
+    hub_model_id: str | None = None
+    hub_token: str | None = None
+    hub_private_repo: bool | None = None
+    hub_strategy: str = "every_save"
+    extra: dict = field(default_factory=dict)
