@@ -62,7 +62,7 @@ def normalize_energy(
         count = weight.sum(-1, keepdim=True)
         mean = (e * weight).sum(-1, keepdim=True) / count.clamp(min=1)
         var = ((e - mean).square() * weight).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
-        z = (e - mean) / var.sqrt().clamp(min=eps)
+        z = (e - mean) / var.clamp(min=eps * eps).sqrt()
     elif mode == "causal":
         # Shift by the first token's energy (known to every later position, so still causal) before the
         # running sums: keeps Σx² − n·mean² away from catastrophic cancellation when |mean| ≫ std.
@@ -72,7 +72,7 @@ def normalize_energy(
         x, weight, count, s1, s2 = (t[..., keep] for t in (x, weight.expand_as(e), count.expand_as(e), s1, s2))
         mean = s1 / count.clamp(min=1)
         var = ((s2 - s1 * mean) / (count - 1).clamp(min=1)).clamp(min=0)
-        z = (x - mean) / var.sqrt().clamp(min=eps)
+        z = (x - mean) / var.clamp(min=eps * eps).sqrt()
     else:
         raise ValueError(f"unknown energy normalisation {mode!r}; expected 'causal', 'window' or 'none'")
     return z * ((count >= 2) & (weight > 0))

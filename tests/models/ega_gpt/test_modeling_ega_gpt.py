@@ -1,0 +1,267 @@
+import pytest
+import torch
+
+from hf_spectral import EGAConfig, EGAForCausalLM, EGAForSequenceClassification, EGAModel
+from hf_spectral.evaluation import causal_lm_losses, leak_free_logits
+from tests.helpers import load_without_plugin, perturb_after
+
+VOCAB = 37
+KINDS = {
+    "EGA-1": {},
+    "EGA-2": {},
+    "EGA-C": {"energy_scales": [3, 5]},
+    "EGA-M": {"energy_scales": [3, 7]},
+    "EGA-M-F": {"energy_scales": [3, 7]},
+    "EGA-DB2": {"energy_scales": [1, 2]},
+    "EGA-DB4": {},
+}
+
+
+def tiny_config(variant="EGA-1", **overrides):
+    values = dict(
+        vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=3, max_position_embeddings=48,
+        embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, **KINDS.get(variant, {}),
+    )
+    values.update(overrides)
+    return EGAConfig.from_variant(variant, **values)
+
+
+def tiny_model(variant="EGA-1", seed=0, **overrides):
+    """A model whose gates are far from the identity (random α), so that tests see them act."""
+    torch.manual_seed(seed)
+    model = EGAForCausalLM(tiny_config(variant, **overrides)).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith((".alpha", ".tau", ".mix_logits")):
+                parameter.normal_(0, 1.5)
+    return model
+
+
+def padded_batch(seed=0, length=14):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (3, length), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    mask[1, :2] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def assert_close_on_tokens(a, b, mask, atol=1e-5):
+    torch.testing.assert_close(a * mask[..., None], b * mask[..., None], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("variant", list(KINDS))
+def test_alpha_zero_gives_exactly_the_ungated_model(variant):
+    gated = tiny_model(variant, gate_alpha_init=0.0)
+    with torch.no_grad():
+        for name, parameter in gated.named_parameters():
+            if name.endswith(".alpha"):
+                parameter.zero_()
+    baseline = EGAForCausalLM(tiny_config("BASE")).eval()
+    missing, unexpected = baseline.load_state_dict(gated.state_dict(), strict=False)
+    assert not missing and all(".energy_gate." in key for key in unexpected)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        assert torch.equal(gated(ids, attention_mask=mask).logits, baseline(ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("normalization", ["causal", "none"])
+@pytest.mark.parametrize("variant", list(KINDS))
+def test_changing_future_tokens_never_moves_earlier_logits(variant, normalization):
+    model = tiny_model(variant, energy_normalization=normalization)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).logits
+        for position in (5, 9):
+            changed = model(perturb_after(ids, position, VOCAB), attention_mask=mask).logits
+            assert torch.equal(changed[:, : position + 1], reference[:, : position + 1])
+            assert not torch.allclose(changed[:, position + 1 :], reference[:, position + 1 :])
+
+
+def test_window_statistics_see_the_future():
+    model = tiny_model("EGA-1", energy_normalization="window")
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).logits
+        changed = model(perturb_after(ids, 8, VOCAB), attention_mask=mask).logits
+    assert (changed[:, :9] - reference[:, :9]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("normalization", ["causal", "none"])
+@pytest.mark.parametrize("variant", list(KINDS))
+def test_cached_decoding_equals_the_uncached_forward(variant, normalization):
+    model = tiny_model(variant, energy_normalization=normalization)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        out = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
+        cache, pieces = out.cache, [out.logits]
+        for start, stop in ((6, 7), (7, 10), (10, 11), (11, 14)):  # single tokens and chunks
+            out = model(ids[:, start:stop], attention_mask=mask[:, :stop], cache=cache, use_cache=True)
+            cache = out.cache
+            pieces.append(out.logits)
+    assert_close_on_tokens(torch.cat(pieces, 1), full, mask)
+
+
+def test_left_padding_does_not_change_a_sequence():
+    model = tiny_model("EGA-C")
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).logits
+        alone = model(ids[:1, 5:]).logits
+    torch.testing.assert_close(batched[:1, 5:], alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "settings", [{"do_sample": False}, {"do_sample": False, "num_beams": 3}, {"do_sample": True, "top_k": 8}]
+)
+def test_generate_with_cache_matches_generate_without(settings):
+    model = tiny_model("EGA-1")
+    ids, mask = padded_batch(length=8)
+    results = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        results.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, use_cache=use_cache, **settings))
+    assert torch.equal(results[0], results[1])
+    if not settings["do_sample"]:  # a left-padded row generates what it generates alone
+        alone = model.generate(ids[:1, 5:], max_new_tokens=6, **settings)
+        assert torch.equal(alone, results[0][:1, 5:])
+
+
+def test_attention_backends_agree():
+    ids, mask = padded_batch()
+    for variant in ("EGA-1", "EGA-M"):
+        model = tiny_model(variant)
+        outputs = {}
+        for backend in ("eager", "sdpa", "flex_attention"):
+            model.set_attn_implementation(backend)
+            with torch.no_grad():
+                outputs[backend] = model(ids, attention_mask=mask).logits
+        for backend in ("sdpa", "flex_attention"):
+            assert_close_on_tokens(outputs[backend], outputs["eager"], mask)
+
+
+def test_output_attentions_are_the_gated_renormalised_probabilities():
+    model = tiny_model("EGA-1", num_hidden_layers=1)
+    model.set_attn_implementation("eager")
+    ids = padded_batch()[0][1:2, 2:]
+    with torch.no_grad():
+        gated = model(ids, output_attentions=True, output_gate_values=True)
+        for parameter in (model.model.h[0].attn.energy_gate.alpha,):
+            parameter.zero_()
+        plain = model(ids, output_attentions=True).attentions[0]
+    gate = gated.gate_values[0]  # (batch, heads, keys)
+    expected = plain * gate[:, :, None, :]
+    expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(gated.attentions[0], expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gated.attentions[0].sum(-1), torch.ones_like(gated.attentions[0][..., 0]))
+
+
+def test_gate_values_are_returned_for_each_gated_layer():
+    model = tiny_model("EGA-2", num_hidden_layers=3, energy_gate_layers=[0, 2])
+    ids, mask = padded_batch()
+    out = model(ids, attention_mask=mask, output_gate_values=True)
+    assert len(out.gate_values) == 2
+    for values in out.gate_values:
+        assert values.shape == (3, 3, ids.shape[1])
+        assert torch.all((values > 0) & (values < 1))
+    assert model(ids).gate_values is None
+
+
+def test_save_and_load_round_trip_exactly(tmp_path):
+    model = tiny_model("EGA-M")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = EGAForCausalLM.from_pretrained(tmp_path).eval()
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask).logits, loaded(ids, attention_mask=mask).logits)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.wte.weight.data_ptr()  # still tied
+
+
+def test_loads_with_trust_remote_code_where_hf_spectral_is_not_installed(tmp_path):
+    model = tiny_model("EGA-C")
+    model.save_pretrained(tmp_path / "checkpoint")
+    for name in ("modeling_ega_gpt.py", "energy_gate.py", "configuration_ega_gpt.py", "sequence_pooling.py"):
+        assert (tmp_path / "checkpoint" / name).exists(), name
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+    logits, loaded_class = load_without_plugin(
+        tmp_path / "checkpoint", "AutoModelForCausalLM", {"input_ids": ids, "attention_mask": mask}, tmp_path
+    )
+    assert loaded_class.startswith("transformers_modules.") and loaded_class.endswith("EGAForCausalLM")
+    torch.testing.assert_close(logits, expected, atol=1e-6, rtol=0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = tiny_model("EGA-C").train()
+    ids, mask = padded_batch()
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.zero_grad()
+        model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    assert any(".energy_gate." in name for name in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
+
+
+def test_bfloat16_loading_and_training_step(tmp_path):
+    tiny_model("EGA-1").save_pretrained(tmp_path)
+    model = EGAForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert model.model.h[0].attn.energy_gate.alpha.dtype == torch.bfloat16
+    ids, mask = padded_batch()
+    reference = EGAForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        low = model.eval()(ids, attention_mask=mask).logits.float()
+        assert_close_on_tokens(low, reference(ids, attention_mask=mask).logits, mask, atol=0.1)
+    model.train()
+    loss = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.model.h[0].attn.energy_gate.alpha.grad is not None
+
+
+def test_bare_model_and_auto_classes(tmp_path):
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = tiny_config("EGA-1")
+    config.save_pretrained(tmp_path)
+    assert type(AutoConfig.from_pretrained(tmp_path)) is EGAConfig
+    assert type(AutoModel.from_config(config)) is EGAModel
+    assert type(AutoModelForCausalLM.from_config(config)) is EGAForCausalLM
+    assert type(AutoModelForSequenceClassification.from_config(config)) is EGAForSequenceClassification
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "learned", "rmt_optimal"])
+def test_sequence_classification_pools_left_and_right_padding_alike(pooling):
+    torch.manual_seed(0)
+    model = EGAForSequenceClassification(tiny_config("EGA-1", num_labels=3, classifier_pooling=pooling)).eval()
+    if pooling == "rmt_optimal":
+        model.pooling.set_position_weights(torch.linspace(1.0, 0.1, 10))
+    ids = torch.randint(1, VOCAB, (2, 10))
+    left = torch.cat([torch.zeros(2, 3, dtype=torch.long), ids], 1)
+    right = torch.cat([ids, torch.zeros(2, 3, dtype=torch.long)], 1)
+    left_mask, right_mask = (left != 0).long(), (right != 0).long()
+    with torch.no_grad():
+        alone = model(ids).logits
+        torch.testing.assert_close(model(left, attention_mask=left_mask).logits, alone, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(right, attention_mask=right_mask).logits, alone, atol=1e-5, rtol=0)
+    out = model(ids, labels=torch.tensor([0, 2]))
+    out.loss.backward()
+    assert out.logits.shape == (2, 3) and torch.isfinite(out.loss)
+
+
+def test_leak_free_evaluation_equals_the_forward_for_causal_models_only():
+    ids = padded_batch()[0][1:, 2:]
+    causal = tiny_model("EGA-1")
+    with torch.no_grad():
+        torch.testing.assert_close(leak_free_logits(causal, ids), causal(ids).logits, atol=1e-5, rtol=0)
+    window = tiny_model("EGA-1", energy_normalization="window")
+    losses = causal_lm_losses(window, ids)
+    assert abs(losses["loss"] - losses["leak_free_loss"]) > 1e-5

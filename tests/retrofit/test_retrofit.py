@@ -1,0 +1,291 @@
+"""The energy-gate retrofit on stock checkpoints (built with random weights and saved first: nothing can be
+downloaded here)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import (
+    AutoModelForCausalLM,
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import hf_spectral  # noqa: F401  (registers the energy-gated model types)
+from hf_spectral.retrofit import (
+    EnergyGateConfig,
+    add_energy_gates,
+    has_energy_gates,
+    load_energy_gates,
+    mark_only_gates_trainable,
+    remove_energy_gates,
+    save_energy_gates,
+)
+from tests.helpers import perturb_after
+
+VOCAB = 50
+SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def gpt2_checkpoint(path, head="lm"):
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, num_labels=3, **SPECIAL)
+    model = (GPT2LMHeadModel if head == "lm" else GPT2ForSequenceClassification)(config)
+    model.save_pretrained(path)
+    return path
+
+
+def llama_checkpoint(path, family="llama"):
+    torch.manual_seed(0)
+    size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, **SPECIAL)
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[family]
+    model_class(config_class(**size)).save_pretrained(path)
+    return path
+
+
+def padded_batch(length=12):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (3, length), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def randomise_gates(model, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith((".alpha", ".tau")):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 2)
+
+
+def logits(model, ids, mask, positions):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, position_ids=positions).logits * mask[..., None]
+
+
+CHECKPOINTS = {"gpt2": gpt2_checkpoint, "llama": llama_checkpoint,
+               "mistral": lambda p: llama_checkpoint(p, "mistral"), "qwen2": lambda p: llama_checkpoint(p, "qwen2")}
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(CHECKPOINTS))
+def test_fresh_gates_leave_logits_and_generation_exactly_unchanged(family, backend, tmp_path):
+    path = CHECKPOINTS[family](tmp_path / family)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=backend).eval()
+    ids, mask, positions = padded_batch()
+    before = logits(model, ids, mask, positions)
+    generated = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    add_energy_gates(model)
+    assert type(model).__name__.startswith("EnergyGated") and has_energy_gates(model)
+    assert torch.equal(logits(model, ids, mask, positions), before)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), generated)
+    randomise_gates(model)
+    assert (logits(model, ids, mask, positions) - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_gated_model_is_causal_and_its_cache_matches_the_forward(family, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINTS[family](tmp_path / family)).eval()
+    add_energy_gates(model, EnergyGateConfig(energy_kind="conv", scales=[3, 5]))
+    randomise_gates(model)
+    ids, mask, positions = padded_batch()
+    full = logits(model, ids, mask, positions)
+    changed = logits(model, perturb_after(ids, 7, VOCAB), mask, positions)
+    assert torch.equal(changed[:, :8], full[:, :8])
+    with torch.no_grad():
+        out = model(ids[:, :5], attention_mask=mask[:, :5], position_ids=positions[:, :5], use_cache=True)
+        pieces, cache = [out.logits], out.cache
+        for t in range(5, ids.shape[1]):
+            out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=positions[:, t : t + 1],
+                        cache=cache, use_cache=True)
+            pieces.append(out.logits)
+            cache = out.cache
+    torch.testing.assert_close(torch.cat(pieces, 1) * mask[..., None], full, atol=1e-5, rtol=0)
+    torch.manual_seed(0)
+    beams = model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False)
+    torch.manual_seed(0)
+    uncached = model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False, use_cache=False)
+    assert torch.equal(beams, uncached)
+
+
+def test_sequence_classification_head_is_supported(tmp_path):
+    model = GPT2ForSequenceClassification.from_pretrained(gpt2_checkpoint(tmp_path / "cls", head="cls")).eval()
+    ids, mask, positions = padded_batch()
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask, position_ids=positions).logits
+        add_energy_gates(model)
+        assert torch.equal(model(ids, attention_mask=mask, position_ids=positions).logits, before)
+
+
+def test_only_gates_move_when_only_gates_train(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).train()
+    add_energy_gates(model, EnergyGateConfig(alpha_init=0.5))
+    trainable = mark_only_gates_trainable(model)
+    assert trainable == sum(p.numel() for n, p in model.named_parameters() if ".energy_gate." in n)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids, mask, _ = padded_batch()
+    for _ in range(3):
+        model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, parameter in model.named_parameters():
+        moved = not torch.equal(parameter, before[name])
+        assert moved == (".energy_gate." in name and not name.endswith("mix_logits")), name
+
+
+def test_saved_model_records_its_gates_and_loads_them_back(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint(tmp_path / "llama")).eval()
+    add_energy_gates(model, EnergyGateConfig(layers=[1], projections=2))
+    randomise_gates(model)
+    model.save_pretrained(tmp_path / "gated")
+    config = json.loads((tmp_path / "gated" / "config.json").read_text())
+    assert config["model_type"] == "energy_gated_llama"
+    assert config["energy_gates"]["layers"] == [1] and config["energy_gates"]["projections"] == 2
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gated").eval()
+    assert type(loaded) is type(model)
+    ids, mask, positions = padded_batch()
+    assert torch.equal(logits(loaded, ids, mask, positions), logits(model, ids, mask, positions))
+
+
+def test_remove_energy_gates_restores_the_stock_model(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
+    ids, mask, positions = padded_batch()
+    before = logits(model, ids, mask, positions)
+    add_energy_gates(model)
+    randomise_gates(model)
+    remove_energy_gates(model)
+    assert type(model) is GPT2LMHeadModel and type(model.config) is GPT2Config
+    assert not hasattr(model.config, "energy_gates") and not has_energy_gates(model)
+    assert torch.equal(logits(model, ids, mask, positions), before)
+    model.save_pretrained(tmp_path / "stock")
+    assert json.loads((tmp_path / "stock" / "config.json").read_text())["model_type"] == "gpt2"
+
+
+def test_gates_only_file_round_trip_and_refusals(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
+    add_energy_gates(model)
+    randomise_gates(model)
+    path = save_energy_gates(model, tmp_path / "gates.safetensors")
+    assert path.stat().st_size < 8 * 1024  # a few kilobytes
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "g").eval()
+    load_energy_gates(fresh, path)  # adds the gates recorded in the file, then loads them
+    ids, mask, positions = padded_batch()
+    assert torch.equal(logits(fresh, ids, mask, positions), logits(model, ids, mask, positions))
+
+    other = AutoModelForCausalLM.from_pretrained(llama_checkpoint(tmp_path / "l"))
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        load_energy_gates(other, path)
+    wider = GPT2LMHeadModel(GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64))
+    with pytest.raises(ValueError, match="hidden_size=32"):
+        load_energy_gates(wider, path)
+    differently_gated = AutoModelForCausalLM.from_pretrained(tmp_path / "g")
+    add_energy_gates(differently_gated, EnergyGateConfig(projections=2))
+    with pytest.raises(ValueError, match="configured"):
+        load_energy_gates(differently_gated, path)
+    with pytest.raises(ValueError, match="not an energy-gate file"):
+        load_energy_gates(AutoModelForCausalLM.from_pretrained(tmp_path / "g"), tmp_path / "g" / "model.safetensors")
+    (tmp_path / "corrupt.safetensors").write_bytes(b"\x00\x01not a safetensors file")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_energy_gates(AutoModelForCausalLM.from_pretrained(tmp_path / "g"), tmp_path / "corrupt.safetensors")
+    with pytest.raises(FileNotFoundError):
+        load_energy_gates(model, tmp_path / "missing.safetensors")
+
+
+def test_gates_train_next_to_lora_and_live_in_the_adapter(tmp_path):
+    base_path = gpt2_checkpoint(tmp_path / "g")
+    gate_config = EnergyGateConfig(alpha_init=0.5)
+    model = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path), gate_config)
+    peft_model = get_peft_model(model, LoraConfig(target_modules=["c_attn"], modules_to_save=["energy_gate"], r=4))
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert any("lora_" in n for n in trainable) and any(".energy_gate." in n for n in trainable)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    ids, mask, positions = padded_batch()
+    for _ in range(3):
+        peft_model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    peft_model.eval()
+    expected = logits(peft_model, ids, mask, positions)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    gate_config.save_pretrained(tmp_path / "adapter")
+
+    base = AutoModelForCausalLM.from_pretrained(base_path)
+    add_energy_gates(base, EnergyGateConfig.from_pretrained(tmp_path / "adapter"))
+    restored = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    torch.testing.assert_close(logits(restored, ids, mask, positions), expected, atol=1e-6, rtol=0)
+    untrained = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path), gate_config).eval()
+    assert (logits(untrained, ids, mask, positions) - expected).abs().max() > 1e-4
+
+
+def test_only_the_chosen_heads_are_gated(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g"), attn_implementation="eager")
+    model.eval()
+    ids = padded_batch()[0][1:2]
+    with torch.no_grad():
+        stock = model(ids, output_attentions=True).attentions[0]
+        add_energy_gates(model, EnergyGateConfig(heads=[1, 3], layers=[0]))
+        randomise_gates(model)
+        gated = model(ids, output_attentions=True).attentions[0]
+    for head in (0, 2):
+        assert torch.equal(gated[:, head], stock[:, head])
+    for head in (1, 3):
+        assert not torch.allclose(gated[:, head], stock[:, head])
+
+
+def test_unsupported_models_and_bad_configs_are_refused(tmp_path):
+    bert = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        add_energy_gates(bert)
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g"))
+    with pytest.raises(ValueError, match="layers"):
+        add_energy_gates(model, EnergyGateConfig(layers=[5]))
+    with pytest.raises(ValueError, match="heads"):
+        add_energy_gates(model, EnergyGateConfig(heads=[4]))
+    add_energy_gates(model)
+    with pytest.raises(ValueError, match="already has energy gates"):
+        add_energy_gates(model)
+    for bad, field in [({"normalization": "global"}, "normalization"), ({"energy_kind": "x"}, "energy_kind"),
+                       ({"scales": [0]}, "scales"), ({"projections": 0}, "projections")]:
+        with pytest.raises(ValueError, match=field):
+            EnergyGateConfig(**bad)
+
+
+def test_command_line_writes_a_retrofitted_copy(tmp_path):
+    source = gpt2_checkpoint(tmp_path / "src")
+    command = [sys.executable, "-m", "hf_spectral.cli", "retrofit", str(source), str(tmp_path / "dst"),
+               "--layers", "0", "--energy-kind", "morlet", "--scales", "3,7"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["energy_gates"]["energy_kind"] == "morlet" and config["energy_gates"]["layers"] == [0]
+    ids, mask, positions = padded_batch()
+    original = AutoModelForCausalLM.from_pretrained(source).eval()
+    copy = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert torch.equal(logits(copy, ids, mask, positions), logits(original, ids, mask, positions))
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode != 0 and "exists" in again.stderr
+    missing = subprocess.run(command[:4] + [str(tmp_path / "nowhere"), str(tmp_path / "dst2")],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and "no config.json" in missing.stderr
+    assert not (tmp_path / "dst2").exists()
