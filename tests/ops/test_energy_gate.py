@@ -15,6 +15,7 @@ from hf_spectral.models.ega_gpt.energy_gate import (
     log_gate_bias,
     morlet_kernels,
     normalize_energy,
+    causal_zscore,
 )
 
 
@@ -63,11 +64,16 @@ def test_window_normalisation_uses_every_valid_position():
         assert torch.all(z[b][..., ~valid[b]] == 0)
 
 
-def test_keep_last_returns_the_tail_of_the_full_computation():
-    energy, valid = _padded_energy()
-    for mode in ("causal", "none"):
-        full = normalize_energy(energy, valid, mode)
-        torch.testing.assert_close(normalize_energy(energy, valid, mode, keep_last=3), full[..., -3:])
+def test_running_moments_continue_across_chunks():
+    """Moments carried from a past chunk (as the KV cache carries them) give the whole sequence's z-scores."""
+    energy, valid = _padded_energy(length=13)
+    z, mean, m2 = causal_zscore(energy, valid)
+    for split in (1, 5, 12):
+        past = (valid[:, :split].sum(-1), mean[..., split - 1], m2[..., split - 1])
+        z2, mean2, m2_2 = causal_zscore(energy[..., split:], valid[:, split:], past)
+        torch.testing.assert_close(z2, z[..., split:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mean2, mean[..., split:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(m2_2, m2[..., split:], atol=1e-4, rtol=1e-5)
 
 
 def test_unknown_normalisation_is_refused():

@@ -30,12 +30,50 @@ except ImportError:  # pragma: no cover - exercised only where PyWavelets is mis
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def causal_zscore(
+    energy: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    past: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal z-scores from running moments: position j uses the mean and unbiased std of the valid energies
+    at positions ≤ j (0 while fewer than two were seen, and at padding).
+
+    Args:
+        energy: (B, H, S, T) raw energies of new positions.
+        valid: (B, T) bool, False at padding, or ``None``.
+        past: ``(count (B,), mean (B, H, S), m2 (B, H, S))`` of all earlier positions (a decoding step), or
+            ``None`` at the start of a sequence.
+        eps: lower bound on the standard deviation.
+
+    Returns:
+        z (B, H, S, T) and the running mean and M2 (sum of squared deviations) at each position, all float32:
+        the state a later step continues from.
+    """
+    e = energy.float()
+    weight = e.new_ones(e.shape[-1]) if valid is None else valid[:, None, None, :].to(e.dtype)
+    if past is None:
+        # Shift by the first token's energy (known to every later position, so still causal) before the
+        # running sums: keeps Σx² − (Σx)²/n away from catastrophic cancellation when |mean| ≫ std.
+        shift = e.gather(-1, weight.expand_as(e).argmax(-1, keepdim=True))
+        count, m2 = weight.cumsum(-1), 0.0
+    else:  # shifting by the running mean, the past adds only its count and M2 (Chan et al.'s merge)
+        past_count, shift, m2 = past[0].float()[:, None, None, None], past[1].float()[..., None], past[2].float()[..., None]
+        count = past_count + weight.cumsum(-1)
+    x = (e - shift) * weight
+    s1 = x.cumsum(-1)
+    safe_count = count.clamp(min=1)
+    m2 = (m2 + x.square().cumsum(-1) - s1.square() / safe_count).clamp(min=0)
+    std = (m2 / (count - 1).clamp(min=1)).clamp(min=eps * eps).sqrt()
+    z = (x - s1 / safe_count) / std * ((count >= 2) & (weight > 0))
+    return z, shift + s1 / safe_count, m2
+
+
 def normalize_energy(
     energy: torch.Tensor,
     valid: torch.Tensor | None = None,
     mode: str = "causal",
     eps: float = 1e-5,
-    keep_last: int | None = None,
 ) -> torch.Tensor:
     """z-normalise energies along time, ignoring padding.
 
@@ -47,35 +85,22 @@ def normalize_energy(
             authors' statistics over every valid position of the sequence (sees the future); ``"none"``:
             energies pass through unchanged.
         eps: lower bound on the standard deviation.
-        keep_last: return only the last ``keep_last`` positions (a decoding step needs its new keys only;
-            the statistics still cover every position).
 
     Returns:
-        (B, H, S, T or keep_last) float32 normalised energies, 0 at padding.
+        (B, H, S, T) float32 normalised energies, 0 at padding.
     """
+    if mode == "causal":
+        return causal_zscore(energy, valid, eps=eps)[0]
     e = energy.float()
     weight = e.new_ones(e.shape[-1]) if valid is None else valid[:, None, None, :].to(e.dtype)
-    keep = slice(-keep_last if keep_last else None, None)
     if mode == "none":
-        return (e * weight)[..., keep]
+        return e * weight
     if mode == "window":
         count = weight.sum(-1, keepdim=True)
         mean = (e * weight).sum(-1, keepdim=True) / count.clamp(min=1)
-        var = ((e - mean).square() * weight).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
-        z = (e - mean) / var.clamp(min=eps * eps).sqrt()
-    elif mode == "causal":
-        # Shift by the first token's energy (known to every later position, so still causal) before the
-        # running sums: keeps Σx² − n·mean² away from catastrophic cancellation when |mean| ≫ std.
-        first = weight.expand_as(e).argmax(-1, keepdim=True)
-        x = (e - e.gather(-1, first)) * weight
-        count, s1, s2 = weight.cumsum(-1), x.cumsum(-1), x.square().cumsum(-1)
-        x, weight, count, s1, s2 = (t[..., keep] for t in (x, weight.expand_as(e), count.expand_as(e), s1, s2))
-        mean = s1 / count.clamp(min=1)
-        var = ((s2 - s1 * mean) / (count - 1).clamp(min=1)).clamp(min=0)
-        z = (x - mean) / var.clamp(min=eps * eps).sqrt()
-    else:
-        raise ValueError(f"unknown energy normalisation {mode!r}; expected 'causal', 'window' or 'none'")
-    return z * ((count >= 2) & (weight > 0))
+        std = (((e - mean).square() * weight).sum(-1, keepdim=True) / (count - 1).clamp(min=1)).clamp(min=eps * eps).sqrt()
+        return (e - mean) / std * ((count >= 2) & (weight > 0))
+    raise ValueError(f"unknown energy normalisation {mode!r}; expected 'causal', 'window' or 'none'")
 
 
 def log_gate_bias(
@@ -105,9 +130,9 @@ def log_gate_bias(
 
 def pad_query_for_bias(query: torch.Tensor, width: int, scaling: float) -> torch.Tensor:
     """q' = [q, 1/scaling, 0, …] with ``width`` extra channels: the partner of ``fold_bias_into_kv``."""
-    pad = query.new_zeros(*query.shape[:-1], width)
-    pad[..., 0] = 1.0 / scaling
-    return torch.cat([query, pad], dim=-1)
+    pad = query.new_zeros(width)
+    pad[0] = 1.0 / scaling
+    return torch.cat([query, pad.expand(*query.shape[:-1], width)], dim=-1)
 
 
 def fold_bias_into_kv(
@@ -118,9 +143,11 @@ def fold_bias_into_kv(
     The KV cache stores k' and v', so each key keeps its bias and the gate state later steps need.
     """
     width = 1 if aux is None else max(1, aux.shape[-1])
-    key_pad = torch.cat([bias.to(key.dtype)[..., None], key.new_zeros(*key.shape[:-1], width - 1)], dim=-1)
-    value_pad = value.new_zeros(*value.shape[:-1], width) if aux is None else aux.to(value.dtype)
-    return torch.cat([key, key_pad], dim=-1), torch.cat([value, value_pad], dim=-1)
+    key_parts = [key, bias.to(key.dtype)[..., None]]
+    if width > 1:
+        key_parts.append(key.new_zeros(width - 1).expand(*key.shape[:-1], width - 1))
+    value_pad = value.new_zeros(width).expand(*value.shape[:-1], width) if aux is None else aux.to(value.dtype)
+    return torch.cat(key_parts, dim=-1), torch.cat([value, value_pad], dim=-1)
 
 
 def fold_bias_into_qkv(
@@ -392,9 +419,15 @@ class EnergyGate(nn.Module):
         return self.energy.num_scales
 
     @property
+    def state_width(self) -> int:
+        """Per-key normalisation state the KV cache carries: running mean and M2 (causal), the raw energy the
+        whole window is recomputed from (window), nothing (none)."""
+        return {"causal": 2, "window": 1, "none": 0}[self.normalization] * self.energy.num_scales
+
+    @property
     def aux_width(self) -> int:
-        """Per-key values the KV cache carries for this gate: raw energies, then the energy function's features."""
-        return self.energy.num_scales + self.energy.feature_width
+        """Per-key values the KV cache carries for this gate: normalisation state, then the energy's features."""
+        return self.state_width + self.energy.feature_width
 
     def forward(
         self,
@@ -408,7 +441,7 @@ class EnergyGate(nn.Module):
         Args:
             x: (B, T, C) the attention layer's (normalised) input for the new positions.
             valid: (B, T_past + T) bool, False at padding, or ``None``.
-            past_aux: (B, H, T_past, aux_width) what an earlier call returned as ``aux`` (from the KV cache).
+            past_aux: (B, H, T_past, aux_width) what earlier calls returned as ``aux`` (from the KV cache).
             return_aux: also return the per-key state of the new positions for the cache.
 
         Returns:
@@ -417,32 +450,47 @@ class EnergyGate(nn.Module):
             gate: (B, H, T) gate values of the new positions.
             aux: (B, H, T, aux_width) or ``None``.
         """
-        num_scales = self.energy.num_scales
-        if valid is not None and self.energy.history:
-            # Zero padded inputs so a filter reads a padded prefix as silence: left padding then changes nothing.
-            x = x * valid[:, -x.shape[1] :, None].to(x.dtype)
-        past_energy = past_features = None
-        if past_aux is not None and past_aux.shape[2] > 0:
-            past_energy = past_aux[..., :num_scales].permute(0, 1, 3, 2)
-            past_features = past_aux[..., num_scales:]
-        # Round to the activation dtype before the statistics, as the cached copy will be.
+        num_scales, width = self.energy.num_scales, self.state_width
+        length = x.shape[1]
+        past_length = 0 if past_aux is None else past_aux.shape[2]
+        if valid is not None:
+            if valid.shape[-1] != past_length + length:
+                raise ValueError(
+                    f"attention_mask covers {valid.shape[-1]} positions but the layer sees {past_length + length} "
+                    "(cached + new)"
+                )
+            if self.energy.history:  # padded inputs read as silence: left padding then changes nothing
+                x = x * valid[:, -length:, None].to(x.dtype)
+        past_state = past_features = None
+        if past_length:
+            past_state, past_features = past_aux[..., :width], past_aux[..., width:]
+        # Round to the activation dtype, as the cached copy will be, so cached and uncached paths agree.
         energy = self.energy(x, past_features).to(x.dtype)
-        new_len = energy.shape[-1]
-        energies = energy if past_energy is None else torch.cat([past_energy.to(energy.dtype), energy], dim=-1)
-        if valid is not None and valid.shape[-1] != energies.shape[-1]:
-            raise ValueError(
-                f"attention_mask covers {valid.shape[-1]} positions but the layer sees {energies.shape[-1]} "
-                "(cached + new)"
-            )
-        rebias_past = self.normalization == "window" and past_energy is not None
-        z = normalize_energy(energies, valid, self.normalization, self.eps, None if rebias_past else new_len)
+        new_valid = None if valid is None else valid[:, -length:]
+
+        state = None
+        if self.normalization == "causal":
+            past = None
+            if past_length:
+                past_count = past_length if valid is None else valid[:, :past_length].sum(-1)
+                past_count = torch.as_tensor(past_count, device=x.device).expand(x.shape[0])
+                last = past_state[:, :, -1, :]
+                past = (past_count, last[..., :num_scales], last[..., num_scales:])
+            z, mean, m2 = causal_zscore(energy, new_valid, past, self.eps)
+            state = torch.cat([mean, m2], dim=2).transpose(2, 3)
+        elif self.normalization == "window":
+            energies = energy if past_state is None else torch.cat([past_state.transpose(2, 3).to(energy.dtype), energy], -1)
+            z = normalize_energy(energies, valid, "window", self.eps)
+            state = energy.transpose(2, 3)
+        else:
+            z = normalize_energy(energy, new_valid, "none", self.eps)
         bias, gate = log_gate_bias(z, self.tau, self.alpha, self.mix_logits)
-        gate = gate[..., -new_len:]
+        gate = gate[..., -length:]
         aux = None
         if return_aux:
-            parts = [energy.transpose(2, 3)]
+            parts = [] if state is None else [state.to(x.dtype)]
             features = self.energy.features(x)
             if features is not None:
-                parts.append(features.to(energy.dtype))
-            aux = torch.cat(parts, dim=-1)
+                parts.append(features.to(x.dtype))
+            aux = torch.cat(parts, dim=-1) if parts else None
         return bias, gate, aux
