@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import peak_rss_growth_mib, speed_ratio, time_alternating  # noqa: E402
+
 SIZE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, vocab_size=65)
 
 
@@ -42,24 +44,6 @@ def build(name: str, context: int):
         model = hf_spectral.EGAForCausalLM(config)
     model.set_attn_implementation("sdpa")
     return model
-
-
-def _median_ratio(times_a, times_b):
-    return statistics.median(times_b) / statistics.median(times_a)
-
-
-def time_alternating(fns: dict, repeats: int, warmup: int = 2) -> dict:
-    """Run each callable in turn ``repeats`` times; return the per-call times of each."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def training_step_fn(model, batch, length, seed=0):
@@ -103,18 +87,10 @@ def generate_fn(model, batch, prompt, new_tokens, seed=0):
 
 
 def peak_memory_child(name, batch, length):
-    """Peak RSS growth (MiB) of one training step, measured in this fresh process."""
-    import resource
-
+    """Peak RSS growth (MiB) of two training steps (the optimizer state exists from the second), in this process."""
     torch.manual_seed(0)
-    model = build(name, length)
-    step = training_step_fn(model, batch, length)
-    with open("/proc/self/statm") as handle:
-        before = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    step()
-    step()  # the optimizer state exists from the second step on
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"peak_mib": peak - before}))
+    step = training_step_fn(build(name, length), batch, length)
+    print(json.dumps({"peak_mib": peak_rss_growth_mib(step)}))
 
 
 def peak_memory(name, batch, length):
@@ -167,7 +143,7 @@ def main():
                 "measurement": label,
                 "model": name,
                 "tokens_per_s": tokens / statistics.median(times[name]),
-                "ratio_vs_gpt2": _median_ratio(times[name], times["gpt2"]),
+                "ratio_vs_gpt2": speed_ratio(times, name, "gpt2"),
             })
         print(json.dumps(rows[-3:]), flush=True)
 

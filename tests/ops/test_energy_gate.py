@@ -69,7 +69,7 @@ def test_running_moments_continue_across_chunks():
     energy, valid = _padded_energy(length=13)
     z, mean, m2 = causal_zscore(energy, valid)
     for split in (1, 5, 12):
-        past = (valid[:, :split].sum(-1), mean[..., split - 1], m2[..., split - 1])
+        past = (valid[:, :split].sum(-1), mean[..., split - 1 : split], m2[..., split - 1 : split])
         z2, mean2, m2_2 = causal_zscore(energy[..., split:], valid[:, split:], past)
         torch.testing.assert_close(z2, z[..., split:], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mean2, mean[..., split:], atol=1e-5, rtol=1e-5)

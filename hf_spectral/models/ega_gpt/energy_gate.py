@@ -30,6 +30,18 @@ except ImportError:  # pragma: no cover - exercised only where PyWavelets is mis
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _float32(tensor: torch.Tensor) -> torch.Tensor:
+    # The statistics run in float32 whatever the activation dtype; skip the no-op cast (decoding is op-bound).
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
+
+def _as_weight(valid: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool padding mask -> (B, 1, 1, T) float weights (1 for every position when ``valid`` is None)."""
+    if valid is None:
+        return like.new_ones(like.shape[-1])
+    return valid.view(valid.shape[0], 1, 1, valid.shape[1]).to(like.dtype)
+
+
 def causal_zscore(
     energy: torch.Tensor,
     valid: torch.Tensor | None = None,
@@ -42,23 +54,30 @@ def causal_zscore(
     Args:
         energy: (B, H, S, T) raw energies of new positions.
         valid: (B, T) bool, False at padding, or ``None``.
-        past: ``(count (B,), mean (B, H, S), m2 (B, H, S))`` of all earlier positions (a decoding step), or
-            ``None`` at the start of a sequence.
+        past: ``(count (B,), mean (B, H, S, 1), m2 (B, H, S, 1))`` of all earlier positions (a decoding step),
+            or ``None`` at the start of a sequence.
         eps: lower bound on the standard deviation.
 
     Returns:
         z (B, H, S, T) and the running mean and M2 (sum of squared deviations) at each position, all float32:
         the state a later step continues from.
     """
-    e = energy.float()
-    weight = e.new_ones(e.shape[-1]) if valid is None else valid[:, None, None, :].to(e.dtype)
+    e = _float32(energy)
+    weight = _as_weight(valid, e)
+    if past is not None and e.shape[-1] == 1:  # one decoding step: Welford's update, no running sums
+        count = past[0].view(-1, 1, 1, 1) + weight
+        delta = (e - past[1]) * weight
+        mean = past[1] + delta / count.clamp(min=1)
+        m2 = past[2] + delta * (e - mean)
+        std = (m2 / (count - 1).clamp(min=1)).clamp(min=eps * eps).sqrt()
+        return (e - mean) / std * ((count >= 2) & (weight > 0)), mean, m2
     if past is None:
         # Shift by the first token's energy (known to every later position, so still causal) before the
         # running sums: keeps Σx² − (Σx)²/n away from catastrophic cancellation when |mean| ≫ std.
         shift = e.gather(-1, weight.expand_as(e).argmax(-1, keepdim=True))
         count, m2 = weight.cumsum(-1), 0.0
     else:  # shifting by the running mean, the past adds only its count and M2 (Chan et al.'s merge)
-        past_count, shift, m2 = past[0].float()[:, None, None, None], past[1].float()[..., None], past[2].float()[..., None]
+        past_count, shift, m2 = past[0].view(-1, 1, 1, 1), _float32(past[1]), _float32(past[2])
         count = past_count + weight.cumsum(-1)
     x = (e - shift) * weight
     s1 = x.cumsum(-1)
@@ -91,8 +110,8 @@ def normalize_energy(
     """
     if mode == "causal":
         return causal_zscore(energy, valid, eps=eps)[0]
-    e = energy.float()
-    weight = e.new_ones(e.shape[-1]) if valid is None else valid[:, None, None, :].to(e.dtype)
+    e = _float32(energy)
+    weight = _as_weight(valid, e)
     if mode == "none":
         return e * weight
     if mode == "window":
@@ -117,12 +136,13 @@ def log_gate_bias(
             softmax, and makes the bias exactly 0 when α = 0, so that a fresh gate is an exact identity.
         gate: (B, H, T) the gate values g_j ∈ (0, 1).
     """
-    alpha, tau = alpha.float()[..., None], tau.float()[..., None]
-    if z.shape[-2] == 1:  # one scale: the mixture is the gate itself
-        log_gate = F.logsigmoid(alpha * (z - tau))[:, :, 0]
-        log_gate_at_mean = F.logsigmoid(-alpha * tau)[:, 0]
+    alpha, tau = _float32(alpha), _float32(tau)
+    if z.shape[-2] == 1:  # one scale: the mixture is the gate itself; (H, 1) parameters broadcast over (B, H, T)
+        log_gate = F.logsigmoid(alpha * (z.squeeze(2) - tau))
+        log_gate_at_mean = F.logsigmoid(-alpha * tau)
     else:
-        log_mix = torch.log_softmax(mix_logits.float(), dim=-1)[..., None]
+        alpha, tau = alpha[..., None], tau[..., None]
+        log_mix = torch.log_softmax(_float32(mix_logits), dim=-1)[..., None]
         log_gate = torch.logsumexp(log_mix + F.logsigmoid(alpha * (z - tau)), dim=-2)
         log_gate_at_mean = torch.logsumexp(log_mix + F.logsigmoid(-alpha * tau), dim=-2)
     return log_gate - log_gate_at_mean, log_gate.exp()
@@ -130,9 +150,10 @@ def log_gate_bias(
 
 def pad_query_for_bias(query: torch.Tensor, width: int, scaling: float) -> torch.Tensor:
     """q' = [q, 1/scaling, 0, …] with ``width`` extra channels: the partner of ``fold_bias_into_kv``."""
-    pad = query.new_zeros(width)
-    pad[0] = 1.0 / scaling
-    return torch.cat([query, pad.expand(*query.shape[:-1], width)], dim=-1)
+    parts = [query, query.new_full((*query.shape[:-1], 1), 1.0 / scaling)]
+    if width > 1:
+        parts.append(query.new_zeros(width - 1).expand(*query.shape[:-1], width - 1))
+    return torch.cat(parts, dim=-1)
 
 
 def fold_bias_into_kv(
@@ -143,7 +164,7 @@ def fold_bias_into_kv(
     The KV cache stores k' and v', so each key keeps its bias and the gate state later steps need.
     """
     width = 1 if aux is None else max(1, aux.shape[-1])
-    key_parts = [key, bias.to(key.dtype)[..., None]]
+    key_parts = [key, bias.to(key.dtype).unsqueeze(-1)]
     if width > 1:
         key_parts.append(key.new_zeros(width - 1).expand(*key.shape[:-1], width - 1))
     value_pad = value.new_zeros(width).expand(*value.shape[:-1], width) if aux is None else aux.to(value.dtype)
@@ -465,17 +486,21 @@ class EnergyGate(nn.Module):
         if past_length:
             past_state, past_features = past_aux[..., :width], past_aux[..., width:]
         # Round to the activation dtype, as the cached copy will be, so cached and uncached paths agree.
-        energy = self.energy(x, past_features).to(x.dtype)
-        new_valid = None if valid is None else valid[:, -length:]
+        energy = self.energy(x, past_features)
+        if energy.dtype != x.dtype:
+            energy = energy.to(x.dtype)
+        new_valid = valid if valid is None or valid.shape[-1] == length else valid[:, -length:]
 
         state = None
         if self.normalization == "causal":
             past = None
             if past_length:
-                past_count = past_length if valid is None else valid[:, :past_length].sum(-1)
-                past_count = torch.as_tensor(past_count, device=x.device).expand(x.shape[0])
-                last = past_state[:, :, -1, :]
-                past = (past_count, last[..., :num_scales], last[..., num_scales:])
+                past_count = (
+                    x.new_full((x.shape[0],), past_length, dtype=torch.float32) if valid is None
+                    else valid[:, :past_length].sum(-1, dtype=torch.float32)
+                )
+                last = past_state[:, :, -1:, :].transpose(2, 3)  # (B, H, 2S, 1): mean and M2 at the last key
+                past = (past_count, last[:, :, :num_scales], last[:, :, num_scales:])
             z, mean, m2 = causal_zscore(energy, new_valid, past, self.eps)
             state = torch.cat([mean, m2], dim=2).transpose(2, 3)
         elif self.normalization == "window":
@@ -488,9 +513,9 @@ class EnergyGate(nn.Module):
         gate = gate[..., -length:]
         aux = None
         if return_aux:
-            parts = [] if state is None else [state.to(x.dtype)]
+            parts = [] if state is None else [state]
             features = self.energy.features(x)
             if features is not None:
-                parts.append(features.to(x.dtype))
-            aux = torch.cat(parts, dim=-1) if parts else None
+                parts.append(features)
+            aux = None if not parts else parts[0] if len(parts) == 1 else torch.cat([p.to(x.dtype) for p in parts], -1)
         return bias, gate, aux

@@ -1,0 +1,109 @@
+"""Retrofitted GPT-2 against the original, in the same run: inference and KV-cache generation tokens/s, and the
+size of what the retrofit adds.
+
+    python benchmarks/bench_retrofit.py            # writes results/benchmarks/retrofit_gpt2.{json,md}
+    python benchmarks/bench_retrofit.py --quick    # smaller, for a smoke check
+
+The model is GPT-2 small's architecture (12 layers, 12 heads, C = 768, 50,257 tokens) with random weights:
+nothing can be downloaded here, and speed does not depend on the weights. Gates are EGA-1 with causal
+statistics in every layer, as `add_energy_gates` adds them by default.
+"""
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.timing import speed_ratio, time_alternating  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="results/benchmarks")
+    args = parser.parse_args(argv)
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates, save_energy_gates
+    from training.results import write_results
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4) if args.quick else GPT2Config()
+    original = GPT2LMHeadModel(config).eval()
+    original.set_attn_implementation("sdpa")
+    retrofitted = add_energy_gates(copy.deepcopy(original), EnergyGateConfig()).eval()
+    models = {"original": original, "retrofitted": retrofitted}
+
+    batch, length = (2, 64) if args.quick else (4, 256)
+    prompt, new_tokens = (16, 8) if args.quick else (32, 32)
+    repeats = 3 if args.quick else 9
+    data = torch.randint(0, config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+
+    def forward(model):
+        def step():
+            with torch.inference_mode():
+                model(input_ids=data, use_cache=False)
+        return step
+
+    def generate(model):
+        def step():
+            with torch.inference_mode():
+                model.generate(
+                    data[:, :prompt], attention_mask=torch.ones_like(data[:, :prompt]), max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                )
+        return step
+
+    rows = []
+    for label, make, tokens in (("forward", forward, batch * length), ("generate", generate, batch * new_tokens)):
+        times = time_alternating({name: make(model) for name, model in models.items()}, repeats)
+        for name in models:
+            rows.append({
+                "measurement": label,
+                "model": name,
+                "tokens_per_s": tokens / statistics.median(times[name]),
+                "ratio_vs_original": speed_ratio(times, name, "original"),
+            })
+        print(rows[-2:], flush=True)
+
+    gate_parameters = sum(p.numel() for n, p in retrofitted.named_parameters() if ".energy_gate." in n)
+    all_parameters = sum(p.numel() for p in original.parameters())
+    with tempfile.TemporaryDirectory() as folder:
+        gates_bytes = os.path.getsize(save_energy_gates(retrofitted, os.path.join(folder, "gates.safetensors")))
+    sizes = {
+        "gate_parameters": gate_parameters,
+        "model_parameters": all_parameters,
+        "gate_fraction": gate_parameters / all_parameters,
+        "gates_file_bytes": gates_bytes,
+        "gate_parameters_per_head": gate_parameters // (config.n_layer * config.n_head),
+    }
+    verdict = [
+        f"- {row['measurement']}: {row['ratio_vs_original']:.3f}× (target ≥ 0.97) "
+        f"{'met' if row['ratio_vs_original'] >= 0.97 else 'MISSED'}"
+        for row in rows if row["model"] == "retrofitted"
+    ]
+    notes = (
+        f"GPT-2 ({config.n_layer} layers, {config.n_head} heads, C = {config.n_embd}) with random weights, SDPA, "
+        f"batch {batch}; forward at T = {length}; greedy generation of {new_tokens} tokens after {prompt}.\n\n"
+        "Targets for the retrofitted model:\n" + "\n".join(verdict) + "\n\n"
+        f"What the retrofit adds: {gate_parameters:,} parameters ({sizes['gate_parameters_per_head']} per head, "
+        f"{100 * sizes['gate_fraction']:.3f}% of {all_parameters:,}); gates-only file {gates_bytes / 1024:.1f} KiB."
+    )
+    write_results(
+        args.out, "retrofit_gpt2_quick" if args.quick else "retrofit_gpt2", rows,
+        title="Retrofitted GPT-2 vs the original, same run", config={"gpt2": config.to_diff_dict(), "batch": batch,
+        "length": length, "prompt": prompt, "new_tokens": new_tokens, "repeats": repeats}, seeds=[0], notes=notes,
+        extra={"sizes": sizes},
+    )
+    print(notes)
+
+
+if __name__ == "__main__":
+    main()

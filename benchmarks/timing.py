@@ -1,0 +1,39 @@
+"""Timing shared by the benchmark scripts: models measured in alternation, compared as ratios of medians.
+
+Alternating step by step (A, B, C, A, B, C, ...) means that load from other processes, thermal state and
+allocator warm-up hit every model alike; the ratio of medians is then robust where absolute times are not.
+"""
+
+import statistics
+import time
+
+
+def time_alternating(fns: dict, repeats: int, warmup: int = 2) -> dict:
+    """Call each function in turn ``repeats`` times (after ``warmup`` rounds); return per-call wall times."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def speed_ratio(times: dict, name: str, baseline: str) -> float:
+    """Throughput of ``name`` relative to ``baseline`` (> 1: faster), from the medians of ``times``."""
+    return statistics.median(times[baseline]) / statistics.median(times[name])
+
+
+def peak_rss_growth_mib(step) -> float:
+    """Peak resident-memory growth (MiB) of running ``step()`` twice; call in a fresh process for a clean figure."""
+    import os
+    import resource
+
+    with open("/proc/self/statm") as handle:
+        before = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    step()
+    step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
