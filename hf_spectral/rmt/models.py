@@ -12,8 +12,9 @@
 Positions are indexed by *real* tokens (the t-th non-padding token of a sequence), as ``SequencePooling`` does, so
 left and right padding give the same result.
 
-Estimator of R (``estimate_position_correlation``). With h_t^(n) ∈ R^C the token states that the head pools and
-Y_n the label (one-hot for classes, the value for a scalar target):
+Estimator of R (``estimate_position_correlation``). With h_t^(n) ∈ R^C the chosen token states (by default the
+input embeddings, see its ``states`` argument) and Y_n the label (one-hot for classes, the value for a scalar
+target):
 
 1. centre each position over sequences: h̃_t^(n) = h_t^(n) − h̄_t (h̄_t: mean over the sequences that have
    position t; this removes position-embedding offsets, which carry no label information);
@@ -228,11 +229,16 @@ class _PoolingInputs:
         self.handle.remove()
 
 
+STATE_SOURCES = ("embeddings", "pooled")
+
+
 @contextmanager
-def _state_source(model, layer):
+def _state_source(model, states):
     """Yields a function batch_inputs -> (states (B, T, C), mask (B, T) or None) for the chosen states."""
-    pooling = getattr(model, "pooling", None)
-    if layer is None and pooling is not None:
+    if states == "pooled":
+        pooling = getattr(model, "pooling", None)
+        if pooling is None:
+            raise ValueError(f"states='pooled' needs a model with a .pooling head; {type(model).__name__} has none")
         capture = _PoolingInputs(pooling)
         try:
             def read(inputs):
@@ -246,12 +252,18 @@ def _state_source(model, layer):
         finally:
             capture.close()
         return
+    if states == "embeddings":
+        index = 0
+    elif isinstance(states, int) and not isinstance(states, bool):
+        index = states
+    else:
+        raise ValueError(f"states must be one of {STATE_SOURCES} or a hidden_states index, got {states!r}")
 
     def read(inputs):
         hidden = model(**inputs, output_hidden_states=True).hidden_states
         if not hidden:
             raise ValueError(f"{type(model).__name__} returned no hidden_states")
-        return hidden[-1 if layer is None else layer], inputs.get("attention_mask")
+        return hidden[index], inputs.get("attention_mask")
 
     yield read
 
@@ -267,12 +279,23 @@ def _label_matrix(labels: torch.Tensor, num_classes: int | None) -> tuple[np.nda
     return values, values.shape[1]
 
 
-def estimate_position_correlation(model, dataloader, *, max_batches: int | None = None, layer: int | None = None,
-                                  min_count: int = 2, num_classes: int | None = None) -> PositionCorrelationEstimate:
+def estimate_position_correlation(model, dataloader, *, states: str | int = "embeddings",
+                                  max_batches: int | None = None, min_count: int = 2,
+                                  num_classes: int | None = None) -> PositionCorrelationEstimate:
     """Estimate the position-correlation matrix R̂ from labelled batches (estimator in the module docstring).
 
-    States: the input of ``model.pooling`` when the model has one and ``layer`` is None, otherwise
-    ``hidden_states[layer]`` (default the last). Two passes over ``dataloader`` (it must be re-iterable, like a
+    ``states`` says which token states x_t is read from:
+
+    * ``"embeddings"`` (default): ``hidden_states[0]``, the input embeddings (token + position). This is the
+      theory's setting, a fixed table whose noise is independent across positions, so R̂ estimates the *data's*
+      position correlation whatever the model has learnt; use it to fit a head at initialisation.
+    * ``"pooled"``: the states the ``.pooling`` head receives. After training these carry what attention has moved
+      between positions (in a causal classifier, later positions hold the label too, and R̂ spreads out); at
+      initialisation, attention's causal averaging makes their noise correlated across positions, which the
+      theory does not model and which pulls R̂'s top eigenvector towards late positions.
+    * an int: ``hidden_states[states]``.
+
+    Two passes over ``dataloader`` (it must be re-iterable, like a
     ``DataLoader``): the first for the per-position means and u, the second for R̂. Positions held by fewer than
     ``min_count`` sequences are dropped from the end. Class labels are integers (``num_classes`` defaults to the
     largest label + 1); float labels are used as scalar/vector targets.
@@ -280,7 +303,7 @@ def estimate_position_correlation(model, dataloader, *, max_batches: int | None 
     if min_count < 2:
         raise ValueError(f"min_count must be >= 2 (a variance needs two sequences), got {min_count}")
     device = _device(model)
-    with _evaluation(model), _state_source(model, layer) as read:
+    with _evaluation(model), _state_source(model, states) as read:
         # pass 1: per-position sums and the state/label cross-moments
         sum_h = sum_hy = sum_y_t = counts = None
         n_sequences, classes = 0, num_classes
@@ -367,15 +390,16 @@ class RMTPoolingFit:
     snr_previous: PoolingSNR | None
 
 
-def fit_rmt_pooling(model, dataloader, *, max_batches: int | None = None, min_count: int = 2,
-                    num_classes: int | None = None) -> RMTPoolingFit:
+def fit_rmt_pooling(model, dataloader, *, states: str | int = "embeddings", max_batches: int | None = None,
+                    min_count: int = 2, num_classes: int | None = None) -> RMTPoolingFit:
     """Estimate R̂ from labelled training batches and install its top eigenvector in ``model.pooling``.
 
     Works for any model whose ``pooling`` attribute is a ``SequencePooling`` in ``rmt_optimal`` mode (it needs
     ``mode == "rmt_optimal"`` and ``set_position_weights``), e.g. ``EGAForSequenceClassification`` built with
     ``classifier_pooling="rmt_optimal"``. The weights are a buffer, so ``save_pretrained`` keeps them. Fitting at
-    initialisation (states close to the embeddings) and training afterwards, or fitting a trained model, both
-    work; refitting replaces the weights.
+    initialisation and training afterwards, or fitting a trained model, both work; refitting replaces the weights.
+    ``states`` chooses the token states R̂ is estimated from (``estimate_position_correlation``; default the input
+    embeddings, i.e. the data's R).
     """
     pooling = getattr(model, "pooling", None)
     if pooling is None or not hasattr(pooling, "set_position_weights"):
@@ -385,8 +409,8 @@ def fit_rmt_pooling(model, dataloader, *, max_batches: int | None = None, min_co
             f"{type(model).__name__}.pooling is in {getattr(pooling, 'mode', None)!r} mode; build the model with "
             "classifier_pooling='rmt_optimal' to fit RMT-optimal weights"
         )
-    estimate = estimate_position_correlation(model, dataloader, max_batches=max_batches, min_count=min_count,
-                                             num_classes=num_classes)
+    estimate = estimate_position_correlation(model, dataloader, states=states, max_batches=max_batches,
+                                             min_count=min_count, num_classes=num_classes)
     T = min(estimate.matrix.shape[0], pooling.max_positions)
     R = estimate.matrix[:T, :T]
     previous = pooling.position_weights.detach().cpu().double().numpy()[:T]
@@ -399,16 +423,17 @@ def fit_rmt_pooling(model, dataloader, *, max_batches: int | None = None, min_co
     )
 
 
-def attention_pooling_report(model, dataloader, correlation=None, *, max_batches: int | None = None) -> list[dict]:
+def attention_pooling_report(model, dataloader, correlation=None, *, states: str | int = "embeddings",
+                             max_batches: int | None = None) -> list[dict]:
     """α, κ, α/κ of each layer's effective attention weights against R, plus reference poolings.
 
     ``correlation``: a T×T matrix (e.g. the known R of a synthetic task) or None to estimate it from the same
-    labelled batches (``estimate_position_correlation``). Rows: one per layer (``pooling = "attention layer l"``),
-    then ``mean``, ``harmonic (strictly causal)``, ``harmonic (with self)`` and ``optimal`` on the same positions.
+    labelled batches (``estimate_position_correlation`` with ``states``). Rows: one per layer
+    (``pooling = "attention layer l"``), then ``mean``, ``harmonic (strictly causal)``, ``harmonic (with self)`` and ``optimal`` on the same positions.
     """
     measured = attention_pooling_weights(model, dataloader, max_batches=max_batches)
     if correlation is None:
-        correlation = estimate_position_correlation(model, dataloader, max_batches=max_batches).matrix
+        correlation = estimate_position_correlation(model, dataloader, states=states, max_batches=max_batches).matrix
     R = validate_correlation_matrix(correlation)
     T = min(R.shape[0], measured.layer_weights.shape[1])
     R = R[:T, :T]

@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 from . import theory
 
-__all__ = ["plot_spectrum", "plot_overlap_sweep", "plot_accuracy"]
+__all__ = ["plot_spectrum", "plot_overlap_sweep", "plot_accuracy", "plot_pooling_weights"]
 
 POOLING_COLORS = {"mean": "tab:gray", "causal": "tab:blue", "optimal": "tab:red"}
 
@@ -32,8 +32,9 @@ def plot_spectrum(eigenvalues, delta: float, gamma: float, kappa: float = 1.0, r
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.add_subplot()
     # weights make the bars integrate to the non-zero fraction, like the theoretical continuous part
-    ax.hist(nonzero, bins=bins, weights=np.full(nonzero.size, 1.0 / values.size) / ((nonzero.max() - nonzero.min()) / bins),
-            color="tab:blue", alpha=0.45, label=f"eigenvalues of S (d = {values.size})")
+    bin_width = (nonzero.max() - nonzero.min()) / bins
+    ax.hist(nonzero, bins=bins, weights=np.full(nonzero.size, 1.0 / (values.size * bin_width)), color="tab:blue",
+            alpha=0.45, label=f"eigenvalues of S (d = {values.size})")
     grid = np.linspace(lower, upper, 800)
     ax.plot(grid, theory.bulk_density(grid, delta, gamma, kappa), color="black", lw=1.5,
             label=r"$\kappa\,(\mathrm{MP}_\delta \boxtimes \mathrm{MP}_\gamma)$ density")
@@ -72,7 +73,8 @@ def plot_overlap_sweep(summary: list[dict], delta: float, gamma: float, title: s
                    label="simulation")
     right.axhline(theory.bulk_edges(delta, gamma)[1], color="gray", ls=":", label="bulk edge")
     for ax in (left, right):
-        ax.axvline(population, color="tab:green", ls="--", lw=1, label=rf"population threshold $\delta+\sqrt\delta$ = {population:.3g}")
+        ax.axvline(population, color="tab:green", ls="--", lw=1,
+                   label=r"population threshold $\delta+\sqrt{\delta}$" + f" = {population:.3g}")
         ax.axvline(sample, color="tab:purple", ls="--", lw=1, label=f"sample threshold = {sample:.3g}")
         ax.set_xlabel(r"$\rho = \alpha\|\mu\|^2/\kappa$")
         ax.legend(fontsize=7)
@@ -105,4 +107,19 @@ def plot_accuracy(summary: list[dict], title: str | None = None, path: str | Non
         ax.set_ylabel("ridge test accuracy")
         ax.legend(fontsize=8)
     fig.suptitle(title or "ridge classification of pooled sequences")
+    return _save(fig, path)
+
+
+def plot_pooling_weights(weights: dict, title: str | None = None, path: str | None = None) -> Figure:
+    """Pooling weight profiles (name -> weights over positions), each rescaled to sum 1, on one axis; e.g. the
+    effective weights of a model's attention layers next to the harmonic and the fitted RMT-optimal weights."""
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.add_subplot()
+    for name, w in weights.items():
+        w = np.asarray(w, dtype=float)
+        ax.plot(np.arange(1, w.size + 1), w / w.sum(), marker=".", label=name, color=POOLING_COLORS.get(name))
+    ax.set_xlabel("position t")
+    ax.set_ylabel(r"weight $w_t$ (sums to 1)")
+    ax.set_title(title or "pooling weights")
+    ax.legend(fontsize=8)
     return _save(fig, path)

@@ -7,8 +7,9 @@ Conventions used by every function here:
   scale with κ, every other quantity is scale-free.
 * **Class-centred table.** The formulas are exact (in the limit) for a table whose noise vectors have zero mean
   within each sign class. With a raw Gaussian table the class means of the noise add ≈ δ to the signal, so pass
-  ``rho`` computed from ``‖μ‖² + δ`` instead (``effective_signal_norm2``); the raw table's common mean also adds
-  an unrelated rank-one term, see ``hf_spectral.rmt.generative``.
+  ``rho`` computed from ``‖μ‖² + δ`` instead (``effective_signal_norm2``); the outlier eigenvector then aligns
+  with μ + (z̄₊ − z̄₋)/2, so its overlap with μ/‖μ‖ is ``sample_overlap`` × ``signal_overlap_factor``; and the raw
+  table's common mean adds an unrelated rank-one term to the uncentred S (see ``hf_spectral.rmt.generative``).
 * ``s = rho − delta`` is the shifted SNR that every outlier formula is written in.
 
 Bulk: κ · (MP_δ ⊠ MP_γ). Its Stieltjes transform m(x) = ∫ dμ(t) / (t − x) at x = λ/κ solves the cubic
@@ -38,6 +39,7 @@ __all__ = [
     "has_population_outlier",
     "has_sample_outlier",
     "effective_signal_norm2",
+    "signal_overlap_factor",
     "snr",
 ]
 
@@ -64,28 +66,63 @@ def _cubic_coefficients(x, delta, gamma):
 
 
 def _roots(coefficients):
-    """Roots of each row's polynomial (highest degree first), dropping vanishing leading coefficients."""
-    out = np.full(coefficients.shape, np.nan + 0j)[..., :-1]
-    for index in np.ndindex(coefficients.shape[:-1]):
-        r = np.roots(coefficients[index])
-        out[index][: r.size] = r
-    return out
+    """Roots of each row's cubic (highest degree first), NaN-padded where the leading coefficients vanish.
+
+    Rows with a non-zero cubic coefficient go through one batched companion-matrix eigenvalue call, quadratics
+    (δγ = 0: the Marchenko-Pastur equation) through the quadratic formula, the rest (x = 0) through ``np.roots``.
+    """
+    coefficients = np.asarray(coefficients, dtype=complex)
+    flat = coefficients.reshape(-1, 4)
+    out = np.full((flat.shape[0], 3), np.nan + 0j)
+    cubic = np.abs(flat[:, 0]) > 1e-300
+    if cubic.any():
+        monic = flat[cubic, 1:] / flat[cubic, :1]
+        companion = np.zeros((monic.shape[0], 3, 3), dtype=complex)
+        companion[:, 0, :] = -monic
+        companion[:, 1, 0] = companion[:, 2, 1] = 1.0
+        out[cubic] = np.linalg.eigvals(companion)
+    quadratic = ~cubic & (np.abs(flat[:, 1]) > 1e-300)
+    if quadratic.any():
+        a, b, c = flat[quadratic, 1], flat[quadratic, 2], flat[quadratic, 3]
+        root = np.sqrt(b * b - 4 * a * c)
+        out[quadratic, 0], out[quadratic, 1] = (-b + root) / (2 * a), (-b - root) / (2 * a)
+    for index in np.flatnonzero(~cubic & ~quadratic):
+        r = np.roots(flat[index])
+        out[index, : r.size] = r
+    return out.reshape(coefficients.shape[:-1] + (3,))
+
+
+def _pick_stieltjes_branch(z, roots):
+    """The root that is a Stieltjes transform of a measure on [0, ∞): Im m > 0 and Im(z m) ≥ 0 for Im z > 0
+    (Krein-Nudelman); where several roots pass, the one reached by continuation from far up the imaginary axis
+    (where m ≈ −1/z) along z + i·y, y decreasing geometrically."""
+    valid = (roots.imag > 0) & ((z[..., None] * roots).imag > -1e-12 * np.abs(z[..., None] * roots))
+    count = valid.sum(-1)
+    pick = np.argmax(valid, axis=-1)
+    out = np.take_along_axis(roots, pick[..., None], axis=-1)[..., 0]
+    return out, count != 1
 
 
 def stieltjes_transform(z, delta: float, gamma: float) -> np.ndarray:
     """Stieltjes transform m(z) = ∫ dμ(t)/(t − z) of MP_δ ⊠ MP_γ (unit scale, κ = 1) at complex z, Im z > 0.
 
-    The branch is the root of the cubic with Im m > 0 (a Stieltjes transform maps the upper half plane into
-    itself); for large |z| that root tends to −1/z.
+    m is the root of the cubic that maps the upper half plane into itself with Im(z m) ≥ 0 (the conditions for a
+    measure on [0, ∞)); ambiguous points are resolved by continuation from z + 10³ i, where m ≈ −1/z.
     """
     _check_ratios(delta, gamma)
     z = np.asarray(z, dtype=complex)
     if np.any(z.imag <= 0):
         raise ValueError("stieltjes_transform needs Im z > 0; use bulk_density for the real axis")
-    roots = _roots(_cubic_coefficients(z, delta, gamma))
-    # exactly one root lies in the upper half plane for Im z > 0; take the one with the largest Im part
-    pick = np.nanargmax(np.where(np.isnan(roots), -np.inf, roots.imag), axis=-1)
-    return np.take_along_axis(roots, pick[..., None], axis=-1)[..., 0]
+    m, ambiguous = _pick_stieltjes_branch(z, _roots(_cubic_coefficients(z, delta, gamma)))
+    for index in zip(*np.nonzero(ambiguous)):
+        point = z[index]
+        previous = -1.0 / (point + 1e3j)
+        for lift in np.geomspace(1e3, 1e-12, 120):
+            candidates = _roots(_cubic_coefficients(np.array([point + 1j * lift]), delta, gamma))[0]
+            candidates = candidates[~np.isnan(candidates)]
+            previous = candidates[np.argmin(np.abs(candidates - previous))]
+        m[index] = previous
+    return m
 
 
 def bulk_atom_at_zero(delta: float, gamma: float) -> float:
@@ -151,6 +188,7 @@ def bulk_density(lam, delta: float, gamma: float, kappa: float = 1.0) -> np.ndar
     if delta == 0 and gamma == 0:
         raise ValueError("delta = gamma = 0: the bulk is a point mass at κ, it has no density")
     roots = _roots(_cubic_coefficients(x.astype(complex), delta, gamma))
+    # on the real axis inside the support the cubic has exactly one complex-conjugate pair: Im m(x + i0) > 0
     imag = np.nanmax(np.where(np.isnan(roots), 0.0, roots.imag), axis=-1)
     # outside the support all three roots are real up to round-off
     imag = np.where(imag > 1e-9 * (1 + np.nanmax(np.abs(np.nan_to_num(roots)), axis=-1)), imag, 0.0)
@@ -277,12 +315,20 @@ def sample_overlap(rho, delta: float, gamma: float):
 
 def effective_signal_norm2(mu_norm2: float, delta: float, table: str = "class_centred") -> float:
     """‖μ‖² to use in ρ: unchanged for a class-centred table, ‖μ‖² + δ for a raw Gaussian table (the class means
-    of the noise, each of squared norm ≈ 2δ, differ by a vector of squared norm ≈ 4δ: half of it joins ±μ)."""
+    z̄± of the noise have squared norm ≈ 2δ each; (z̄₊ − z̄₋)/2, of squared norm ≈ δ, adds to ±μ)."""
     if table == "class_centred":
         return float(mu_norm2)
     if table == "raw":
         return float(mu_norm2) + float(delta)
     raise ValueError(f"table must be 'class_centred' or 'raw', got {table!r}")
+
+
+def signal_overlap_factor(mu_norm2: float, delta: float, table: str = "class_centred") -> float:
+    """Factor turning the overlap with the effective signal direction into the overlap with μ/‖μ‖: 1 for a
+    class-centred table, ‖μ‖²/(‖μ‖² + δ) for a raw one (the effective signal μ + (z̄₊ − z̄₋)/2 is nearly
+    orthogonal to its noise part, of squared norm ≈ δ)."""
+    effective = effective_signal_norm2(mu_norm2, delta, table)
+    return 1.0 if effective == 0 else float(mu_norm2) / effective
 
 
 def snr(alpha: float, kappa: float, mu_norm2: float) -> float:

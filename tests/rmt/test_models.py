@@ -1,0 +1,162 @@
+"""Model-facing tools: effective attention pooling weights, R̂ from data, fit_rmt_pooling (torch)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hf_spectral import EGAConfig, EGAForSequenceClassification
+from hf_spectral.models.ega_gpt.sequence_pooling import SequencePooling
+from hf_spectral.rmt import (
+    PrefixCorrelation,
+    attention_pooling_report,
+    attention_pooling_weights,
+    estimate_position_correlation,
+    fit_rmt_pooling,
+    harmonic_causal_weights,
+    sample_table,
+    sample_tokens,
+    validate_correlation_matrix,
+)
+
+T, L, VOCAB = 16, 3, 32
+
+
+def early_signal_batches(n=384, batch_size=64, seed=0):
+    """Label = the shared class of the first L tokens; the other tokens are independent of it (SPEC 3.2)."""
+    rng = np.random.default_rng(seed)
+    model = PrefixCorrelation(T, L)
+    signs = model.sample_signs(n, rng)
+    tokens = torch.tensor(sample_tokens(sample_table(2, VOCAB, 0.0, rng=rng), signs, rng))
+    labels = torch.tensor((model.labels(signs) > 0).astype(np.int64))
+    return [{"input_ids": tokens[i:i + batch_size], "attention_mask": torch.ones_like(tokens[i:i + batch_size]),
+             "labels": labels[i:i + batch_size]} for i in range(0, n, batch_size)]
+
+
+def tiny_classifier(pooling="rmt_optimal", **overrides):
+    torch.manual_seed(0)
+    config = EGAConfig(vocab_size=VOCAB, max_position_embeddings=T, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, num_labels=2, classifier_pooling=pooling, embd_pdrop=0.0,
+                       resid_pdrop=0.0, attn_pdrop=0.0, **overrides)
+    return EGAForSequenceClassification(config)
+
+
+def early_mass(w):
+    return np.abs(w[:L]).sum() / np.abs(w).sum()
+
+
+def test_fit_rmt_pooling_concentrates_on_the_early_signal_and_survives_save_load(tmp_path):
+    batches = early_signal_batches()
+    model = tiny_classifier()
+    fit = fit_rmt_pooling(model, batches)
+    assert early_mass(fit.weights) > 0.6  # uniform weights would put L/T ≈ 0.19 there
+    assert np.abs(fit.weights[:L]).min() > np.abs(fit.weights[L:]).max()
+    assert fit.snr_optimal.ratio > 1.5 * fit.snr_mean.ratio
+    installed = model.pooling.position_weights.numpy()
+    np.testing.assert_allclose(installed[: fit.weights.size], fit.weights, rtol=1e-6)
+    assert model.training  # the fit restores the training flag
+
+    model.save_pretrained(tmp_path)
+    reloaded = EGAForSequenceClassification.from_pretrained(tmp_path).eval()
+    np.testing.assert_array_equal(reloaded.pooling.position_weights.numpy(), installed)
+    inputs = {k: v for k, v in batches[0].items() if k != "labels"}
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, model.eval()(**inputs).logits)
+
+
+def test_fit_rejects_heads_that_are_not_rmt_optimal():
+    with pytest.raises(ValueError, match="rmt_optimal"):
+        fit_rmt_pooling(tiny_classifier("mean"), early_signal_batches(n=64))
+    with pytest.raises(ValueError, match="SequencePooling"):
+        fit_rmt_pooling(nn.Linear(2, 2), [])
+
+
+class CausalMixer(nn.Module):
+    """Not a transformers model: embeddings, a running mean over the prefix, and an rmt_optimal head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.embed = nn.Embedding(VOCAB, 24)
+        self.pooling = SequencePooling("rmt_optimal", T)
+        self.score = nn.Linear(24, 2)
+
+    def forward(self, input_ids, attention_mask=None, output_hidden_states=False):
+        h0 = self.embed(input_ids)
+        h1 = h0 + 0.1 * h0.cumsum(1) / torch.arange(1, input_ids.shape[1] + 1)[None, :, None]
+        return SimpleNamespace(logits=self.score(self.pooling(h1, attention_mask)), hidden_states=(h0, h1))
+
+
+@pytest.mark.parametrize("states", ["embeddings", "pooled"])
+def test_fit_works_for_any_model_with_the_shared_head(states):
+    model = CausalMixer()
+    fit = fit_rmt_pooling(model, early_signal_batches(), states=states)
+    assert early_mass(fit.weights) > 0.5
+    assert model.pooling.position_weights[:L].min() > model.pooling.position_weights[L:].abs().max()
+
+
+def test_estimate_handles_padding_and_needs_labels():
+    batches = early_signal_batches(n=256)
+    for batch in batches:  # right padding: random lengths in [L + 2, T]
+        lengths = torch.randint(L + 2, T + 1, (batch["input_ids"].shape[0],), generator=torch.Generator().manual_seed(0))
+        batch["attention_mask"] = (torch.arange(T)[None] < lengths[:, None]).long()
+    estimate = estimate_position_correlation(CausalMixer(), batches)
+    validate_correlation_matrix(estimate.matrix)
+    assert estimate.matrix.shape[0] == T and estimate.counts[-1] < estimate.counts[0]
+    R = estimate.matrix
+    prefix_pairs = R[:L, :L][~np.eye(L, dtype=bool)]
+    later_pairs = R[L:10, L:10][~np.eye(10 - L, dtype=bool)]  # positions held by ≥ 148 of 256 sequences
+    assert prefix_pairs.min() > 0.2 and np.abs(later_pairs).mean() < 0.1
+    with pytest.raises(ValueError, match="labelled"):
+        estimate_position_correlation(CausalMixer(), [{k: v for k, v in batches[0].items() if k != "labels"}])
+
+
+def uniform_attention_classifier():
+    """No gates, zero query/key projections: every query attends uniformly to its keys j ≤ i."""
+    model = tiny_classifier("mean", energy_gate_layers=[], attn_implementation="sdpa")
+    with torch.no_grad():
+        for block in model.model.h:
+            C = block.attn.c_attn.in_features
+            block.attn.c_attn.weight[: 2 * C] = 0
+            block.attn.c_attn.bias[: 2 * C] = 0
+    return model
+
+
+def test_uniform_causal_attention_measures_the_harmonic_weights_with_self_key():
+    model = uniform_attention_classifier()
+    measured = attention_pooling_weights(model, early_signal_batches(n=64))
+    assert model.config._attn_implementation == "sdpa"  # switched to eager for the measurement only
+    expected = harmonic_causal_weights(T, include_self=True)
+    assert measured.layer_weights.shape == (2, T) and measured.head_weights.shape == (2, 2, T)
+    np.testing.assert_allclose(measured.layer_weights, np.tile(expected, (2, 1)), atol=1e-6)
+    # a left-padded sequence of 10 tokens is measured on its own 10 positions
+    ids = torch.randint(0, VOCAB, (1, T))
+    mask = (torch.arange(T) >= T - 10).long()[None]
+    padded = attention_pooling_weights(model, [{"input_ids": ids, "attention_mask": mask}])
+    np.testing.assert_allclose(padded.layer_weights[0, :10], harmonic_causal_weights(10, include_self=True), atol=1e-6)
+    np.testing.assert_allclose(padded.layer_weights[0, 10:], 0.0, atol=1e-7)
+
+
+def test_attention_report_on_a_gated_model_against_the_known_R():
+    model = tiny_classifier("last", attn_implementation="eager")
+    rows = attention_pooling_report(model, early_signal_batches(n=128), PrefixCorrelation(T, L).matrix)
+    by_name = {row["pooling"]: row for row in rows}
+    assert {"attention layer 0", "attention layer 1", "mean", "optimal"} <= set(by_name)
+    assert by_name["optimal"]["alpha_over_kappa"] == pytest.approx(L)
+    assert by_name["mean"]["alpha_over_kappa"] == pytest.approx((L**2 + T - L) / T)
+    for layer in ("attention layer 0", "attention layer 1"):
+        assert 1.0 <= by_name[layer]["alpha_over_kappa"] <= L
+
+
+def test_fit_works_on_chiar_former_classifier():
+    from hf_spectral import ChiarConfig, ChiarForSequenceClassification
+
+    torch.manual_seed(0)
+    config = ChiarConfig(vocab_size=VOCAB, max_position_embeddings=T, hidden_size=32, num_attention_heads=2,
+                         num_labels=2, classifier_pooling="rmt_optimal")
+    model = ChiarForSequenceClassification(config)
+    fit = fit_rmt_pooling(model, early_signal_batches())
+    assert np.abs(fit.weights[:L]).min() > np.abs(fit.weights[L:]).max()
+    np.testing.assert_allclose(model.pooling.position_weights[:T].numpy(), fit.weights, rtol=1e-6)
