@@ -1,7 +1,9 @@
 """Timing shared by the benchmark scripts: models measured in alternation, compared as ratios of medians.
 
 Alternating step by step (A, B, C, A, B, C, ...) means that load from other processes, thermal state and
-allocator warm-up hit every model alike; the ratio of medians is then robust where absolute times are not.
+allocator warm-up hit every model alike. Each call is timed twice: wall-clock, and the CPU time of this process
+(``time.process_time``). Run single-threaded (``torch.set_num_threads(1)``), CPU time counts only this
+process's own work, so its ratios hold on a machine shared with other jobs, where wall-clock ratios drift.
 """
 
 import statistics
@@ -9,21 +11,25 @@ import time
 
 
 def time_alternating(fns: dict, repeats: int, warmup: int = 2) -> dict:
-    """Call each function in turn ``repeats`` times (after ``warmup`` rounds); return per-call wall times."""
+    """Call each function in turn ``repeats`` times (after ``warmup`` rounds).
+
+    Returns ``{"wall": {name: [seconds, ...]}, "cpu": {name: [seconds, ...]}}``.
+    """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times = {name: [] for name in fns}
+    times = {"wall": {name: [] for name in fns}, "cpu": {name: [] for name in fns}}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times["cpu"][name].append(time.process_time() - cpu)
+            times["wall"][name].append(time.perf_counter() - wall)
     return times
 
 
 def speed_ratio(times: dict, name: str, baseline: str) -> float:
-    """Throughput of ``name`` relative to ``baseline`` (> 1: faster), from the medians of ``times``."""
+    """Throughput of ``name`` relative to ``baseline`` (> 1: faster), from the medians of ``times[name]``."""
     return statistics.median(times[baseline]) / statistics.median(times[name])
 
 

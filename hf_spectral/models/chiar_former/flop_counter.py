@@ -3,8 +3,9 @@
 FLOPs are 2 × the multiply-accumulates of the matrix products the implementation executes (projections, DCT
 matrices, random-feature products, attention scores and weighted values, FFN, LM head); elementwise work
 (softmax, GELU, LayerNorm, exponentials) is not counted. Attention scores are counted over the (query, key) pairs
-a query may see — the valid keys at or before it in a causal model — which is the algorithmic cost; a dense
-kernel that ignores the causal mask does up to twice that.
+a query may see — the valid keys at or before it in a causal model — which is the algorithmic cost; a kernel that
+computes masked blocks too does up to twice that (the sparse attention's key-prefix chunks compute about
+(1 + 1/n) / 2 of the keys after a routed query, n the number of chunks, beyond the counted pairs).
 """
 
 import math
@@ -15,11 +16,12 @@ from .configuration_chiar_former import ChiarConfig
 
 
 def _visible_keys(queries: torch.Tensor, key_valid: torch.Tensor, past_length: int, is_causal: bool) -> int:
-    """Σ over the query tokens ``queries`` (B, T) bool of the number of keys each sees (its own slot included)."""
+    """Σ over the query tokens ``queries`` (B, T) bool of the number of keys each sees: the valid keys at or before
+    its slot (every valid key when not causal), plus its own slot when that is padding."""
     if not bool(queries.any()):
         return 0
     if is_causal:
-        seen = key_valid.long().cumsum(-1)[:, past_length:]  # valid keys at slots ≤ each query's slot
+        seen = key_valid.long().cumsum(-1)[:, past_length:]
     else:
         seen = key_valid.long().sum(-1, keepdim=True).expand(-1, queries.shape[1])
     own_slot_invalid = ~key_valid[:, past_length:]
@@ -33,12 +35,23 @@ def _attention_flops(config: ChiarConfig, tokens: int, queries: int, pairs: int)
     return projections + core, core
 
 
-def _dct_flops(config: ChiarConfig, vectors: int) -> int:
-    d = config.hidden_size
-    if config.dct_implementation == "matrix":
-        return 2 * vectors * d * d
+def _fft_flops(config: ChiarConfig, vectors: int) -> int:
     # One complex length-d FFT per vector, ≈ 5 d log2 d real FLOPs (not matrix work, counted as an estimate).
-    return int(5 * vectors * d * math.log2(d))
+    return int(5 * vectors * config.hidden_size * math.log2(config.hidden_size))
+
+
+def _dct_layer_flops(config: ChiarConfig, tokens: int, spectrum: bool, mixing: bool) -> int:
+    """DCT work of a layer: the spectrum (routed layers, for the entropy) and / or the DCT mixing of every token.
+
+    Matrix form, even d: one butterfly stage, so two (d/2)-wide products per output — (d/2)² multiply-adds per
+    output and token for each half — plus folding C diag(f) C of each half; odd d: full d × d products."""
+    d = config.hidden_size
+    outputs = int(spectrum) + int(mixing)
+    if config.dct_implementation == "fft":
+        return _fft_flops(config, tokens) * (int(spectrum or mixing) + int(mixing))
+    if d % 2 == 0:
+        return outputs * tokens * d * d + (d**3 // 2 if mixing else 0)
+    return outputs * 2 * tokens * d * d + (2 * d**3 if mixing else 0)
 
 
 def _rbf_flops(config: ChiarConfig, batch: int, length: int, selected: int) -> int:
@@ -72,6 +85,7 @@ def count_flops(
     ``attention_mask`` is the (B, past + T) padding mask given to the model. ``lm_head_positions`` counts the LM
     head over that many positions per row (None: no head). Returns ``{"attention", "attention_core", "dct",
     "rbf", "ffn", "router", "lm_head", "total", "per_layer"}``; ``per_layer`` holds one such dict per layer.
+    ``router`` is the routing cost: the entropy's dot products and, for hard / soft routing, the router projection.
     """
     routed_layers = config.routed_layers
     if len(routing_decisions) != len(routed_layers):
@@ -91,9 +105,12 @@ def count_flops(
         counts = dict.fromkeys(("attention", "attention_core", "dct", "rbf", "router"), 0)
         if layer_op == "routed":
             routes = decisions[layer_idx].cpu()
-            counts["dct"] += _dct_flops(config, tokens)  # spectrum of every token, for the entropy
+            # The spectrum of every token (for the entropy) and, with DCT among the operators, the DCT mixing of
+            # every token from the same products.
+            counts["dct"] += _dct_layer_flops(config, tokens, spectrum=True, mixing="dct" in operators)
+            counts["router"] = 2 * tokens * d  # Σ P log P of the entropy, as one dot product per token
             if config.router_type != "threshold":
-                counts["router"] = 2 * tokens * (d + 1) * len(operators)
+                counts["router"] += 2 * tokens * (d + 1) * len(operators)
         else:
             routes = torch.zeros(batch_size, seq_len, dtype=torch.long)
         for k, operator in enumerate(operators):
@@ -104,12 +121,8 @@ def count_flops(
                 counts["attention"] += total
                 counts["attention_core"] += core
             elif operator == "dct":
-                if layer_op == "routed":
-                    counts["dct"] += _dct_flops(config, int(chosen.sum()))  # inverse DCT of the filtered spectrum
-                elif config.dct_implementation == "matrix":
-                    counts["dct"] += _dct_flops(config, tokens) + 2 * d**3  # folded Dᵀ diag(f) D, then one matmul
-                else:
-                    counts["dct"] += 2 * _dct_flops(config, tokens)  # DCT and inverse DCT
+                if layer_op != "routed":  # routed layers counted it with the spectrum
+                    counts["dct"] += _dct_layer_flops(config, tokens, spectrum=False, mixing=True)
             else:
                 counts["rbf"] += _rbf_flops(config, batch_size, seq_len, int(chosen.sum()))
         counts["ffn"] = 2 * 2 * tokens * d * config.intermediate_size

@@ -1,0 +1,420 @@
+"""CHIAR-Former models: routing, sparse execution, causality, cache, generation, heads, save/load, FLOP counter."""
+
+import math
+
+import pytest
+import torch
+import transformers
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
+
+from hf_spectral import ChiarConfig, ChiarForCausalLM, ChiarForSequenceClassification, ChiarModel
+from hf_spectral.models.chiar_former import calibrate_thresholds, count_flops
+from hf_spectral.models.chiar_former.spectral_ops import threshold_routes
+
+from ...helpers import load_without_plugin, perturb_after
+from .chiar_testing import CAUSAL_VARIANTS, PAD, VOCAB, build, random_ids, tiny_config
+
+ROUTED_SPARSE_VARIANTS = ["threshold-2", "threshold-3", "hard-2", "hard-3", "pre-ln-threshold-3", "fft-dct"]
+
+
+def _left_padded(ids: torch.Tensor, pads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad row b with pads[b] pad tokens (the rows keep their length: the first tokens are replaced)."""
+    padded, mask = ids.clone(), torch.ones_like(ids)
+    for row, count in enumerate(pads):
+        padded[row, :count], mask[row, :count] = PAD, 0
+    return padded, mask
+
+
+def _dense_twin(model, model_class=ChiarForCausalLM):
+    """The same weights and thresholds executed in the authors' dense one-hot-select formulation."""
+    twin = model_class(ChiarConfig(**{**model.config.to_dict(), "routed_execution": "dense"})).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+# --- sparse execution ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ROUTED_SPARSE_VARIANTS)
+def test_sparse_execution_equals_the_dense_one_hot_formulation(variant):
+    ids = random_ids(3, 20, seed=1)
+    padded, mask = _left_padded(ids, [0, 5, 2])
+    sparse = build(ChiarForCausalLM, tiny_config(**CAUSAL_VARIANTS[variant]), calibrate_on=ids)
+    dense = _dense_twin(sparse)
+    assert sparse.model.layers[1].dense_routing is False and dense.model.layers[1].dense_routing is True
+
+    out_sparse = sparse(padded, attention_mask=mask, labels=padded)
+    out_dense = dense(padded, attention_mask=mask, labels=padded)
+    for routes in out_sparse.routing_decisions:  # every operator is exercised
+        assert len(torch.unique(routes[mask.bool()])) == len(sparse.config.routed_operators)
+    for a, b in zip(out_sparse.routing_decisions, out_dense.routing_decisions):
+        assert torch.equal(a, b)
+    valid = mask.bool()
+    torch.testing.assert_close(out_sparse.logits[valid], out_dense.logits[valid], atol=1e-5, rtol=1e-5)
+
+    out_sparse.loss.backward()
+    out_dense.loss.backward()
+    dense_grads = dict(dense.named_parameters())
+    for name, param in sparse.named_parameters():
+        other = dense_grads[name].grad
+        if param.grad is None:
+            assert other is None or not other.any(), name
+            continue
+        torch.testing.assert_close(param.grad, other, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_tokens_routed_elsewhere_are_not_attention_queries():
+    ids = random_ids(2, 24, seed=2)
+    model = build(ChiarForCausalLM, tiny_config(), calibrate_on=ids, percentiles=(75.0,))
+    attention = model.model.layers[1].attention
+    projected = {}
+    hooks = [
+        getattr(attention, name).register_forward_hook(
+            lambda module, args, output, name=name: projected.__setitem__(name, args[0].shape[:-1].numel())
+        )
+        for name in ("q_proj", "kv_proj", "o_proj")
+    ]
+    out = model(ids)
+    for hook in hooks:
+        hook.remove()
+    routed = int((out.routing_decisions[0] == 1).sum())
+    assert 0 < routed < ids.numel() // 2  # ≈ 25% routed to attention
+    # Queries and outputs only for the routed tokens; keys and values for every token.
+    assert projected == {"q_proj": routed, "o_proj": routed, "kv_proj": ids.numel()}
+
+
+# --- routing ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("routed_operators", [["dct", "attention"], ["dct", "rbf", "attention"]])
+def test_routing_fractions_match_the_thresholds(routed_operators):
+    ids = random_ids(4, 16, seed=3)
+    padded, mask = _left_padded(ids, [0, 3, 0, 7])
+    model = build(ChiarForCausalLM, tiny_config(routed_operators=routed_operators), calibrate_on=ids)
+    out = model(padded, attention_mask=mask)
+    valid = mask.bool()
+    for layer_idx, routes, entropy, fractions in zip(
+        model.config.routed_layers, out.routing_decisions, out.routing_entropies, out.routing_fractions
+    ):
+        thresholds = model.config.thresholds_for(layer_idx)
+        expected = threshold_routes(entropy, thresholds)
+        assert torch.equal(routes[valid], expected[valid])
+        assert (routes[~valid] == 0).all()  # padding takes the cheapest operator
+        counts = torch.stack([(expected[valid] == k).sum() for k in range(len(routed_operators))])
+        torch.testing.assert_close(fractions, counts.float() / valid.sum())
+        assert ((entropy >= 0) & (entropy <= 1)).all()
+
+
+def test_per_layer_calibration_hits_the_percentile_in_every_routed_layer():
+    ids = random_ids(4, 32, seed=4)
+    model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=5), calibrate_on=None)
+    result = calibrate_thresholds(model, [ids[:2], ids[2:]], percentiles=(75.0,), per_layer=True)
+    assert sorted(result["thresholds"]) == model.config.routed_layers == [1, 2, 3]
+    for fractions in model(ids).routing_fractions:
+        assert fractions[1].item() == pytest.approx(0.25, abs=1.5 / ids.numel())
+
+
+def test_shared_calibration_sets_tau_lo_and_tau_hi_to_pooled_percentiles():
+    ids = random_ids(4, 32, seed=5)
+    model = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "rbf", "attention"]))
+    entropies = torch.cat([e.flatten() for e in model(ids).routing_entropies])
+    first_layer = model(ids).routing_entropies[0].flatten()
+    calibrate_thresholds(model, [ids], percentiles=(33.0, 67.0))
+    # Layer 2 (the first routed one) is unaffected by the new thresholds, so its entropies are the measured ones.
+    assert model.config.layer_thresholds is None
+    assert model.config.tau_lo == pytest.approx(torch.quantile(entropies.double(), 0.33).item(), abs=2e-3)
+    assert model.config.tau_hi == pytest.approx(torch.quantile(entropies.double(), 0.67).item(), abs=2e-3)
+    assert model.config.tau_lo < model.config.tau_hi
+    torch.testing.assert_close(model(ids).routing_entropies[0].flatten(), first_layer)
+
+
+def test_calibration_rejects_learned_routers_and_bad_percentiles():
+    ids = random_ids(1, 8)
+    with pytest.raises(ValueError, match="threshold"):
+        calibrate_thresholds(build(ChiarForCausalLM, tiny_config(router_type="hard")), [ids])
+    with pytest.raises(ValueError, match="percentiles"):
+        calibrate_thresholds(build(ChiarForCausalLM, tiny_config()), [ids], percentiles=(33.0, 67.0))
+
+
+def test_straight_through_estimator_passes_gradients_to_the_router():
+    ids = random_ids(2, 16, seed=6)
+    model = build(ChiarForCausalLM, tiny_config(router_type="hard", routed_operators=["dct", "rbf", "attention"]))
+    model.train()
+    out = model(ids, labels=ids)
+    for probabilities, routes in zip(out.router_probabilities, out.routing_decisions):
+        assert torch.equal(probabilities.argmax(-1), routes)  # hard: one operator per token
+    out.loss.backward()
+    for layer_idx in model.config.routed_layers:
+        grad = model.model.layers[layer_idx].router.proj.weight.grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    # Threshold routing has nothing to learn.
+    assert build(ChiarForCausalLM, tiny_config()).model.layers[1].router.proj is None
+
+
+def test_usage_entropy_regulariser_is_added_to_the_loss():
+    ids = random_ids(2, 16, seed=7)
+    config = tiny_config(router_type="hard", routed_operators=["dct", "rbf", "attention"])
+    plain = build(ChiarForCausalLM, config)
+    with torch.no_grad():  # sharpen the routers so that usage is far from uniform and the penalty is not tiny
+        for layer_idx in config.routed_layers:
+            plain.model.layers[layer_idx].router.proj.weight.mul_(40.0)
+    regularised = ChiarForCausalLM(ChiarConfig(**{**config.to_dict(), "router_usage_entropy_weight": 0.01})).eval()
+    regularised.load_state_dict(plain.state_dict())
+    out_plain, out = plain(ids, labels=ids), regularised(ids, labels=ids)
+    assert out_plain.aux_loss is None
+    expected = 0.0
+    for probabilities in out.router_probabilities:
+        usage = probabilities.double().reshape(-1, 3).mean(0)
+        expected += math.log(3) + (usage * usage.log()).sum().item()
+    assert expected > 0.05
+    assert out.aux_loss.item() == pytest.approx(0.01 * expected, rel=1e-4)
+    assert out.loss.item() == pytest.approx(out_plain.loss.item() + out.aux_loss.item(), rel=1e-6)
+
+
+# --- causality -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", sorted(CAUSAL_VARIANTS))
+def test_future_tokens_do_not_change_earlier_outputs(variant):
+    ids = random_ids(2, 16, seed=8)
+    padded, mask = _left_padded(ids, [0, 4])
+    model = build(ChiarForCausalLM, tiny_config(**CAUSAL_VARIANTS[variant]), calibrate_on=ids)
+    position = 8
+    out = model(padded, attention_mask=mask)
+    changed = perturb_after(padded, position, VOCAB, seed=1)
+    out_changed = model(changed, attention_mask=mask)
+    torch.testing.assert_close(out_changed.logits[:, : position + 1], out.logits[:, : position + 1], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out_changed.logits[:, position + 1 :], out.logits[:, position + 1 :])
+    for routes, changed_routes in zip(out.routing_decisions, out_changed.routing_decisions):
+        assert torch.equal(changed_routes[:, : position + 1], routes[:, : position + 1])
+
+
+@pytest.mark.parametrize("rbf_variant", ["positive", "authors"])
+def test_bidirectional_encoder_reads_future_tokens(rbf_variant):
+    ids = random_ids(2, 12, seed=9)
+    config = tiny_config(is_causal=False, rbf_variant=rbf_variant, layer_operators=["rbf", "routed"],
+                         num_hidden_layers=2, routed_operators=["dct", "rbf", "attention"])
+    model = build(ChiarModel, config, calibrate_on=ids)
+    out = model(ids).last_hidden_state
+    changed = model(perturb_after(ids, 6, VOCAB)).last_hidden_state
+    assert not torch.allclose(changed[:, :7], out[:, :7])
+
+
+def test_encoder_cannot_be_a_causal_lm_or_take_a_cache():
+    config = tiny_config(is_causal=False)
+    with pytest.raises(ValueError, match="is_causal"):
+        ChiarForCausalLM(config)
+    with pytest.raises(ValueError, match="cache"):
+        ChiarModel(config)(random_ids(1, 4), cache=DynamicCache(config=config))
+
+
+def test_per_call_is_causal_override_is_refused():
+    model = build(ChiarModel, tiny_config())
+    with pytest.raises(ValueError, match="is_causal"):
+        model(random_ids(1, 4), is_causal=False)
+
+
+# --- cache and generation ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", sorted(CAUSAL_VARIANTS))
+def test_cached_forward_equals_uncached_forward(variant):
+    ids = random_ids(2, 14, seed=10)
+    padded, mask = _left_padded(ids, [3, 0])
+    model = build(ChiarForCausalLM, tiny_config(**CAUSAL_VARIANTS[variant]), calibrate_on=ids)
+    full = model(padded, attention_mask=mask, use_cache=False)
+    cache = DynamicCache(config=model.config)
+    out = model(padded[:, :6], attention_mask=mask[:, :6], cache=cache, use_cache=True)
+    logits = [out.logits]
+    for t in range(6, 14, 2):  # two tokens at a time: prefill-style chunks after the prompt
+        out = model(padded[:, t : t + 2], attention_mask=mask[:, : t + 2], cache=out.cache, use_cache=True)
+        logits.append(out.logits)
+    valid = mask.bool()
+    torch.testing.assert_close(torch.cat(logits, 1)[valid], full.logits[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_cache_must_be_built_from_the_config():
+    model = build(ChiarForCausalLM, tiny_config())
+    with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
+        model(random_ids(1, 4), cache=DynamicCache(), use_cache=True)
+
+
+def _uncached_greedy(model, ids, mask, steps):
+    for _ in range(steps):
+        logits = model(ids, attention_mask=mask, use_cache=False).logits[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return ids
+
+
+@pytest.mark.parametrize("variant", ["threshold-3", "hard-3", "rbf-only"])
+def test_generate_with_cache_matches_the_uncached_forward(variant):
+    ids = random_ids(3, 9, seed=11)
+    padded, mask = _left_padded(ids, [0, 4, 2])
+    model = build(ChiarForCausalLM, tiny_config(**CAUSAL_VARIANTS[variant]), calibrate_on=ids)
+
+    greedy = model.generate(padded, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(greedy.sequences, _uncached_greedy(model, padded, mask, 6))
+    sequences, step_mask = greedy.sequences, torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], 1)
+    reference = model(sequences, attention_mask=step_mask, use_cache=False).logits[:, 8:-1]
+    torch.testing.assert_close(torch.stack(greedy.logits, 1), reference, atol=1e-5, rtol=1e-5)
+
+    # Left padding: each row generates what it generates alone.
+    for row, pads in enumerate([0, 4, 2]):
+        alone = model.generate(padded[row : row + 1, pads:], max_new_tokens=6, do_sample=False)
+        assert torch.equal(greedy.sequences[row, pads:], alone[0])
+
+    torch.manual_seed(3)
+    sampled = model.generate(padded, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=0)
+    torch.manual_seed(3)
+    sampled_uncached = model.generate(padded, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=0,
+                                      use_cache=False)
+    assert torch.equal(sampled, sampled_uncached)
+
+    beams = model.generate(padded, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False,
+                           output_scores=True, return_dict_in_generate=True)
+    beams_uncached = model.generate(padded, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False,
+                                    output_scores=True, return_dict_in_generate=True, use_cache=False)
+    assert torch.equal(beams.sequences, beams_uncached.sequences)
+    torch.testing.assert_close(beams.sequences_scores, beams_uncached.sequences_scores, atol=1e-5, rtol=1e-5)
+
+
+# --- heads, save / load, remote code -----------------------------------------------------------------------------
+
+
+def test_auto_classes_build_chiar_models():
+    fields = {k: v for k, v in tiny_config().to_dict().items() if k != "model_type"}
+    config = AutoConfig.for_model("chiar_former", **fields)
+    assert isinstance(config, ChiarConfig)
+    assert type(AutoModelForCausalLM.from_config(config)) is ChiarForCausalLM
+    assert type(AutoModelForSequenceClassification.from_config(config)) is ChiarForSequenceClassification
+    assert type(transformers.AutoModel.from_config(config)) is ChiarModel
+
+
+def test_lm_head_is_tied_to_the_embeddings():
+    model = build(ChiarForCausalLM, tiny_config())
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "learned", "rmt_optimal"])
+def test_sequence_classification_pools_real_tokens_only(pooling):
+    ids = random_ids(3, 10, seed=12)
+    padded, mask = _left_padded(ids, [0, 3, 6])
+    config = tiny_config(num_labels=3, classifier_pooling=pooling, routed_operators=["dct", "rbf", "attention"])
+    model = build(ChiarForSequenceClassification, config, calibrate_on=ids)
+    out = model(padded, attention_mask=mask, labels=torch.tensor([0, 2, 1]))
+    assert out.logits.shape == (3, 3) and torch.isfinite(out.loss)
+    for row, pads in enumerate([3, 6]):
+        alone = model(ids[row + 1 : row + 2, pads:]).logits
+        torch.testing.assert_close(out.logits[row + 1], alone[0], atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    assert model.score.weight.grad.abs().sum() > 0
+
+
+def test_save_and_load_round_trip_with_safetensors(tmp_path):
+    ids = random_ids(2, 12, seed=13)
+    config = tiny_config(routed_operators=["dct", "rbf", "attention"])
+    model = build(ChiarForCausalLM, config, calibrate_on=ids)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    # The remote-code copy of the shared pooling file is a real file, not a dangling link.
+    copied = tmp_path / "sequence_pooling.py"
+    assert copied.is_file() and not copied.is_symlink() and "class SequencePooling" in copied.read_text()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is ChiarForCausalLM
+    assert loaded.config.layer_thresholds == model.config.layer_thresholds
+    torch.testing.assert_close(loaded.model.layers[1].rbf.omega, model.model.layers[1].rbf.omega)
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("auto_class, model_class", [
+    ("AutoModelForCausalLM", ChiarForCausalLM),
+    ("AutoModelForSequenceClassification", ChiarForSequenceClassification),
+])
+def test_loads_with_trust_remote_code_without_the_plugin(tmp_path, auto_class, model_class):
+    ids = random_ids(2, 10, seed=14)
+    config = tiny_config(routed_operators=["dct", "rbf", "attention"], num_labels=2, classifier_pooling="mean")
+    model = build(model_class, config, calibrate_on=ids)
+    model.save_pretrained(tmp_path / "checkpoint")
+    logits, class_name = load_without_plugin(tmp_path / "checkpoint", auto_class, {"input_ids": ids}, tmp_path)
+    assert class_name.endswith("." + model_class.__name__) and not class_name.startswith("hf_spectral")
+    torch.testing.assert_close(logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = random_ids(2, 12, seed=15)
+    config = tiny_config(router_type="hard", routed_operators=["dct", "rbf", "attention"])
+    model = build(ChiarForCausalLM, config)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.activation_checkpointing_enable()
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    for name, grad in reference.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=1e-6, rtol=1e-5)
+
+
+# --- FLOP counter ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(routed_operators=["dct", "rbf", "attention"]),
+    dict(router_type="hard", routed_operators=["dct", "rbf", "attention"], layer_norm_position="pre"),
+    dict(router_type="soft", routed_operators=["dct", "rbf", "attention"]),
+    dict(routed_execution="dense"),
+    dict(layer_operators=["dct", "rbf", "routed", "attention"], rbf_variant="authors"),
+])
+def test_flop_counter_matches_torch_flop_count_of_an_encoder(overrides):
+    # In an encoder without padding every query sees every key, so the counter's pairs are what the kernels compute.
+    # Eager attention: torch's FLOP counter has no formula for the CPU SDPA kernel.
+    ids = random_ids(2, 12, seed=16)
+    config = tiny_config(is_causal=False, attn_implementation="eager", **overrides)
+    model = build(ChiarModel, config, calibrate_on=ids)
+    assert model.config._attn_implementation == "eager"
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        out = model(ids)
+    counted = count_flops(model.config, 2, 12, out.routing_decisions)
+    assert counted["total"] == counter.get_total_flops()
+
+
+def test_flop_counter_counts_causal_attention_pairs_and_the_lm_head():
+    config = tiny_config(layer_operators=["attention"], num_hidden_layers=1)
+    counted = count_flops(config, batch_size=2, seq_len=10, lm_head_positions=10)
+    d, tokens = 32, 20
+    assert counted["attention_core"] == 4 * d * 2 * sum(range(1, 11))
+    assert counted["attention"] == 8 * tokens * d * d + counted["attention_core"]
+    assert counted["ffn"] == 4 * tokens * d * 64
+    assert counted["lm_head"] == 2 * tokens * d * VOCAB
+    assert counted["total"] == counted["attention"] + counted["ffn"] + counted["lm_head"]
+
+
+def test_flop_counter_attention_falls_with_the_routed_fraction():
+    ids = random_ids(2, 32, seed=17)
+    model = build(ChiarForCausalLM, tiny_config(), calibrate_on=ids, percentiles=(75.0,))
+    out = model(ids)
+    sparse = count_flops(model.config, 2, 32, out.routing_decisions)
+    dense = count_flops(_dense_twin(model).config, 2, 32, out.routing_decisions)
+    routed_core = [sparse["per_layer"][i]["attention_core"] / dense["per_layer"][i]["attention_core"] for i in (1, 2)]
+    fractions = [f[1].item() for f in out.routing_fractions]
+    assert all(0.15 < r < 0.4 for r in routed_core) and all(abs(f - 0.25) < 0.05 for f in fractions)
+    assert sparse["per_layer"][3]["attention"] == dense["per_layer"][3]["attention"]  # layer 4 is all attention
+    assert sparse["total"] < dense["total"]
+    with pytest.raises(ValueError, match="routing decisions"):
+        count_flops(model.config, 2, 32, ())
+
+
+def test_chunked_sparse_attention_equals_dense_on_long_sequences():
+    # Long enough for the routed queries to be attended in several key-prefix chunks, with left padding.
+    ids = random_ids(2, 400, seed=18)
+    padded, mask = _left_padded(ids, [0, 37])
+    sparse = build(ChiarForCausalLM, tiny_config(max_position_embeddings=512), calibrate_on=ids, percentiles=(40.0,))
+    dense = _dense_twin(sparse)
+    out_sparse, out_dense = sparse(padded, attention_mask=mask), dense(padded, attention_mask=mask)
+    attention_queries = int((out_sparse.routing_decisions[0] == 1).sum(1).max())
+    assert attention_queries >= 192  # ≥ 3 chunks of 64 queries
+    valid = mask.bool()
+    torch.testing.assert_close(out_sparse.logits[valid], out_dense.logits[valid], atol=1e-5, rtol=1e-5)
