@@ -118,9 +118,15 @@ class EnergyGatedAttentionMixin:
     def forward(self, *args, **kwargs):
         if "past_key_values" in kwargs:  # the name transformers deprecates in favour of `cache`
             kwargs["cache"] = kwargs.pop("past_key_values")
-        bound = self.stock_signature.bind(*args, **kwargs)
-        hidden_states = bound.arguments["hidden_states"]
-        cache = bound.arguments.get("cache")
+        if len(args) > 1:  # rare: bind to the stock signature to find `cache` among positional arguments
+            bound = self.stock_signature.bind(*args, **kwargs)
+            extra = {}
+            for name, parameter in self.stock_signature.parameters.items():
+                if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                    extra = bound.arguments.pop(name, {})
+            args, kwargs = (), {**extra, **bound.arguments}
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        cache = kwargs.get("cache")
         past_state = cached_gate_state(cache, self.layer_idx, self.head_dim)
         bias, _, state = self.energy_gate(
             hidden_states, valid=self.energy_gate_token_mask, past_aux=past_state, return_aux=cache is not None
@@ -130,8 +136,8 @@ class EnergyGatedAttentionMixin:
             keep[self.energy_gate_heads] = 1
             bias = bias * keep[:, None]
         rebias = bias.shape[-1] != hidden_states.shape[1]
-        bound.arguments["cache"] = GatedKVCache(cache, bias, state, self.head_dim, rebias)
-        return super().forward(*bound.args, **bound.kwargs)
+        kwargs["cache"] = GatedKVCache(cache, bias, state, self.head_dim, rebias)
+        return super().forward(*args, **kwargs)
 
 
 _GATED_ATTENTION_CLASSES: dict[type, type] = {}

@@ -128,6 +128,18 @@ def test_gated_model_is_causal_and_its_cache_matches_the_forward(family, tmp_pat
     assert torch.equal(beams, uncached)
 
 
+def test_gated_attention_accepts_positional_arguments(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
+    add_energy_gates(model)
+    randomise_gates(model)
+    attention = model.transformer.h[0].attn
+    hidden = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        by_name = attention(hidden, cache=None, attention_mask=None)[0]
+        by_position = attention(hidden, None, None)[0]
+    assert torch.equal(by_name, by_position)
+
+
 def test_sequence_classification_head_is_supported(tmp_path):
     model = GPT2ForSequenceClassification.from_pretrained(gpt2_checkpoint(tmp_path / "cls", head="cls")).eval()
     ids, mask, positions = padded_batch()
