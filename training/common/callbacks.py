@@ -45,7 +45,7 @@ class GateTrajectoryCallback(TrainerCallback):
         self.every = max(1, every)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if not state.is_world_process_zero:
+        if not state.is_world_process_zero or not gate_parameters(model):
             return
         kept = [record for record in read_gate_trajectory(self.path) if record["step"] <= state.global_step]
         with open(self.path, "w", encoding="utf-8") as handle:

@@ -1,0 +1,51 @@
+"""Fixtures for the recipe tests: small synthetic corpora laid out like the real ones (no network, no shared data)."""
+
+import os
+import random
+
+import pytest
+
+SHARED_DATA = os.environ.get("HF_SPECTRAL_DATA", "/work/shared/data")
+WORDS = ("the king my lord shall speak to thee and all that love him now hath come upon our gentle "
+         "duke of york whose sword is true good night sweet prince what say you then").split()
+
+
+def synthetic_text(characters: int, seed: int = 0) -> str:
+    """Shakespeare-flavoured lines of random words: enough structure for a loss to fall in a few steps."""
+    rng = random.Random(seed)
+    lines, size = [], 0
+    while size < characters:
+        speaker = rng.choice(["KING", "DUKE", "ROMEO", "NURSE"])
+        line = f"{speaker}:\n" + " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 12))).capitalize() + ".\n\n"
+        lines.append(line)
+        size += len(line)
+    return "".join(lines)[:characters]
+
+
+@pytest.fixture(scope="session")
+def tiny_shakespeare(tmp_path_factory):
+    """A 60,000-character stand-in for input.txt."""
+    path = tmp_path_factory.mktemp("tinyshakespeare") / "input.txt"
+    path.write_text(synthetic_text(60_000), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_ptb_words(tmp_path_factory):
+    """A folder with PTB-style word files (train / valid / test), lower case, `<unk>` and `N`."""
+    folder = tmp_path_factory.mktemp("ptb")
+    rng = random.Random(1)
+    vocabulary = [w for w in WORDS if w.isalpha()] + ["<unk>", "N"]
+    for name, lines in (("ptb.train.txt", 900), ("ptb.valid.txt", 120), ("ptb.test.txt", 120)):
+        text = "".join(" " + " ".join(rng.choice(vocabulary) for _ in range(rng.randint(4, 14))) + " \n"
+                       for _ in range(lines))
+        (folder / name).write_text(text, encoding="utf-8")
+    return str(folder)
+
+
+def shared_file(*parts):
+    """A file of the project's shared data folder, or skip (CI machines may not have it)."""
+    path = os.path.join(SHARED_DATA, *parts)
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} not available")
+    return path

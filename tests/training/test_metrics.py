@@ -1,0 +1,53 @@
+"""The local `evaluate` metric modules and the per-token NLL the Trainer hands them."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from training.common.trainer import lm_compute_metrics, load_metric, token_nll
+
+
+def test_language_model_loss_gives_perplexity_and_bits():
+    metric = load_metric("language_model_loss")
+    result = metric.compute(predictions=[math.log(4)] * 3 + [math.log(4)], chars_per_token=2.0)
+    assert result["loss"] == pytest.approx(math.log(4))
+    assert result["perplexity"] == pytest.approx(4.0)
+    assert result["bits_per_token"] == pytest.approx(2.0)
+    assert result["bits_per_char"] == pytest.approx(1.0)  # two characters per token
+    assert result["num_tokens"] == 4
+
+
+def test_language_model_loss_rejects_impossible_likelihoods():
+    with pytest.raises(ValueError, match="non-negative"):
+        load_metric("language_model_loss").compute(predictions=[0.5, -0.1])
+
+
+def test_generalization_gap_is_validation_minus_training_over_runs():
+    result = load_metric("generalization_gap").compute(predictions=[1.5, 1.7], references=[1.2, 1.2])
+    assert result["gaps"] == pytest.approx([0.3, 0.5])
+    assert result["gap"] == pytest.approx(0.4)
+    assert result["gap_std"] == pytest.approx(np.std([0.3, 0.5], ddof=1))
+
+
+def test_token_nll_matches_the_model_loss():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 7, 11), torch.randint(0, 11, (3, 7))
+    nll = token_nll(logits, labels)
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1))
+    assert nll.shape == (3, 6)
+    assert nll.mean().item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_compute_metrics_ignores_padded_positions():
+    class Prediction:
+        predictions = np.array([[math.log(2), -1.0], [math.log(2), math.log(2)]])
+
+    assert lm_compute_metrics()(Prediction())["bits_per_char"] == pytest.approx(1.0)
+
+
+def test_unknown_metric_module_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="no metric module"):
+        load_metric("accuracy")

@@ -1,0 +1,266 @@
+"""End-to-end smoke runs of the character-level recipes: outputs, model cards, Hub push, resume, torchrun."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from unittest import mock
+
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard
+from huggingface_hub.hf_api import RepoUrl
+from safetensors.torch import load_file
+
+import hf_spectral
+from training import ptb_char, tinyshakespeare
+from training.common.lm_experiment import EXIT_INTERRUPTED
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def pushed_smoke_run(tiny_shakespeare, tmp_path_factory):
+    """One `--smoke --push_to_hub` run of BASE and EGA-1 (window), with the Hub replaced at the network call."""
+    output_dir = tmp_path_factory.mktemp("tinyshakespeare_smoke")
+    uploads, created = [], []
+
+    def create_repo(self, repo_id, **kwargs):
+        created.append((repo_id, kwargs.get("private")))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        files = sorted(os.listdir(folder_path))
+        readme = open(os.path.join(folder_path, "README.md"), encoding="utf-8").read() if "README.md" in files else None
+        uploads.append({"repo_id": repo_id, "files": files, "readme": readme, "ignore": kwargs.get("ignore_patterns")})
+        return mock.MagicMock()
+
+    with mock.patch.object(HfApi, "create_repo", create_repo), mock.patch.object(HfApi, "upload_folder", upload_folder):
+        code = tinyshakespeare.main([
+            "--smoke", "--variants", "BASE", "EGA-1:window", "--data_path", tiny_shakespeare,
+            "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "someone/ega-smoke",
+            "--hub_strategy", "end", "--threads", "2",
+        ])
+    return {"dir": output_dir, "code": code, "uploads": uploads, "created": created}
+
+
+def _summary(run_dir):
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def test_smoke_run_writes_models_summaries_table_and_figures(pushed_smoke_run):
+    out = pushed_smoke_run["dir"]
+    assert pushed_smoke_run["code"] == 0
+    for run in ("BASE-seed0", "EGA-1-window-seed0"):
+        for name in ("model.safetensors", "config.json", "vocab.json", "README.md", "summary.json", "learning_curve.png"):
+            assert (out / run / name).is_file(), f"{run}/{name} missing"
+        assert not list((out / run).glob("checkpoint-*")), "checkpoints are removed once a run is complete"
+    for name in ("gate_heatmap.png", "gate_trajectories.png"):
+        assert (out / "EGA-1-window-seed0" / name).stat().st_size > 1000
+    assert (out / "validation_curves.png").is_file()
+    results = json.loads((out / "results.json").read_text())
+    assert [row["model"] for row in results["rows"]] == ["BASE", "EGA-1 (window)"]
+    assert results["command"].startswith("python") and results["hardware"]["cpu_count"] and results["seeds"] == [0]
+
+
+def test_window_model_is_reported_with_its_leak_free_loss(pushed_smoke_run):
+    summary = _summary(pushed_smoke_run["dir"] / "EGA-1-window-seed0")
+    assert summary["sees_future"] is True
+    assert summary["val_loss_leak_free"] > 0 and summary["val_loss_same_blocks"] > 0
+    row = json.loads((pushed_smoke_run["dir"] / "results.json").read_text())["rows"][1]
+    assert row["leak_free_mean"] == pytest.approx(summary["val_loss_leak_free"])
+    base = _summary(pushed_smoke_run["dir"] / "BASE-seed0")
+    # Δ vs BASE of a window model is computed from its leak-free loss, never from the leaky one.
+    assert row["delta_vs_base"] == pytest.approx(base["val_loss"] - summary["val_loss_leak_free"])
+    card = (pushed_smoke_run["dir"] / "EGA-1-window-seed0" / "README.md").read_text()
+    assert "sees future tokens" in card and "LEAK-FREE" in card
+
+
+def test_model_card_metadata_holds_the_measured_results(pushed_smoke_run):
+    run_dir = pushed_smoke_run["dir"] / "BASE-seed0"
+    summary = _summary(run_dir)
+    card = ModelCard.load(run_dir / "README.md")
+    results = {result.metric_name: result.metric_value for result in card.data.eval_results}
+    assert results["validation loss (nats/char)"] == pytest.approx(round(summary["val_loss"], 4))
+    assert results["generalisation gap (val − train)"] == pytest.approx(round(summary["generalization_gap"], 4))
+    assert card.data.pipeline_tag == "text-generation" and "karpathy/tiny_shakespeare" in card.data.datasets
+    assert summary["command"] in card.text
+
+
+def test_push_to_hub_uploads_each_model_with_its_card(pushed_smoke_run):
+    repos = {upload["repo_id"]: upload for upload in pushed_smoke_run["uploads"]}
+    assert set(repos) == {"someone/ega-smoke-BASE-seed0", "someone/ega-smoke-EGA-1-window-seed0"}
+    for upload in repos.values():
+        assert {"README.md", "model.safetensors", "config.json", "vocab.json"} <= set(upload["files"])
+        assert "model-index" in upload["readme"]
+        assert any(pattern.startswith("checkpoint") for pattern in upload["ignore"])
+    assert "someone/ega-smoke-BASE-seed0" in [repo for repo, _ in pushed_smoke_run["created"]]
+
+
+def test_saved_model_reloads_with_its_learned_gates(pushed_smoke_run):
+    from transformers import AutoModelForCausalLM
+
+    run_dir = pushed_smoke_run["dir"] / "EGA-1-window-seed0"
+    model = AutoModelForCausalLM.from_pretrained(run_dir)
+    assert isinstance(model, hf_spectral.EGAForCausalLM) and model.config.energy_normalization == "window"
+    tau = _summary(run_dir)["gates"]["per_layer"]["1"]["tau"]
+    assert torch.allclose(model.model.h[1].attn.energy_gate.tau, torch.tensor(tau))
+
+
+def test_gate_trajectory_is_recorded_every_logging_step(pushed_smoke_run):
+    lines = (pushed_smoke_run["dir"] / "EGA-1-window-seed0" / "gate_trajectory.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [0, 3, 6, 9, 12]
+    assert set(records[-1]["layers"]) == {"0", "1"}
+    assert records[0]["layers"]["0"]["alpha"] == [[2.0], [2.0]] != records[-1]["layers"]["0"]["alpha"]
+
+
+def test_a_completed_run_is_not_trained_again(pushed_smoke_run, tiny_shakespeare, capsys):
+    out = pushed_smoke_run["dir"]
+    before = (out / "BASE-seed0" / "model.safetensors").stat().st_mtime
+    assert tinyshakespeare.main(["--smoke", "--variants", "BASE", "--data_path", tiny_shakespeare,
+                                 "--output_dir", str(out)]) == 0
+    assert "complete already" in capsys.readouterr().out
+    assert (out / "BASE-seed0" / "model.safetensors").stat().st_mtime == before
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_help_is_reachable_through_the_hf_spectral_command(capsys):
+    from hf_spectral.cli import main as cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["train", "tinyshakespeare", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--preset" in text and "demo" in text and "--push_to_hub" in text
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--variants", "EGA-9"], "unknown variant 'EGA-9'"),
+        (["--variants", "EGA-1:sideways"], "unknown normalisation 'sideways'"),
+        (["--hidden_size", "30", "--num_attention_heads", "4"], "not divisible"),
+        (["--max_steps", "0"], "--max_steps must be positive"),
+    ],
+)
+def test_bad_options_are_clear_errors(arguments, message, tiny_shakespeare, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        tinyshakespeare.main(["--smoke", "--data_path", tiny_shakespeare, "--output_dir", str(tmp_path)] + arguments)
+
+
+def test_missing_data_is_a_clear_error(tmp_path, capsys):
+    code = tinyshakespeare.main(["--smoke", "--data_path", str(tmp_path / "missing"), "--output_dir", str(tmp_path)])
+    assert code == 2
+    assert "--data_path" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# PTB
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_ptb_char_recipe_derives_char_files_and_reports_the_test_split(tiny_ptb_words, tmp_path):
+    data_dir = tmp_path / "ptb"
+    shutil.copytree(tiny_ptb_words, data_dir)
+    code = ptb_char.main(["--smoke", "--variants", "EGA-1", "--data_path", str(data_dir), "--eval_test",
+                          "--output_dir", str(tmp_path / "out"), "--no_plots"])
+    assert code == 0
+    assert (data_dir / "ptb.char.valid.txt").read_text() == ptb_char.word_to_char((data_dir / "ptb.valid.txt").read_text())
+    summary = _summary(tmp_path / "out" / "EGA-1-causal-seed0")
+    assert summary["test_loss"] > 0 and summary["val_loss"] > 0
+    vocabulary = json.loads((tmp_path / "out" / "tokenizer" / "vocab.json").read_text())
+    assert " " not in vocabulary and "_" in vocabulary  # joined format: no separator spaces
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Interruption and resume, torchrun
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _recipe_command(tiny_shakespeare, output_dir, *extra):
+    return [sys.executable, "-m", "training.tinyshakespeare", "--smoke", "--variants", "EGA-1", "--max_steps", "60",
+            "--eval_steps", "1000", "--save_steps", "1000", "--threads", "1", "--no_plots",
+            "--data_path", tiny_shakespeare, "--output_dir", str(output_dir), *extra]
+
+
+def _environment():
+    return {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_with_nothing_lost(tiny_shakespeare, tmp_path):
+    """SIGTERM mid-training → checkpoint at the end of that step, exit; rerun → resumes and ends with exactly the
+    weights of a run that was never interrupted."""
+    reference = subprocess.run(_recipe_command(tiny_shakespeare, tmp_path / "reference"), cwd=REPO_ROOT,
+                               env=_environment(), capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+
+    interrupted_dir = tmp_path / "interrupted"
+    trajectory = interrupted_dir / "EGA-1-causal-seed0" / "gate_trajectory.jsonl"
+    process = subprocess.Popen(_recipe_command(tiny_shakespeare, interrupted_dir), cwd=REPO_ROOT,
+                               env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:
+        if trajectory.is_file() and any(json.loads(l)["step"] >= 6 for l in trajectory.read_text().splitlines() if l):
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == EXIT_INTERRUPTED, output[-3000:]
+    checkpoints = list((interrupted_dir / "EGA-1-causal-seed0").glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and 6 <= int(checkpoints[0].name.split("-")[1]) < 60, output[-2000:]
+
+    resumed = subprocess.run(_recipe_command(tiny_shakespeare, interrupted_dir), cwd=REPO_ROOT, env=_environment(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    final = load_file(interrupted_dir / "EGA-1-causal-seed0" / "model.safetensors")
+    expected = load_file(tmp_path / "reference" / "EGA-1-causal-seed0" / "model.safetensors")
+    assert final.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(final[name], expected[name]), name
+    summaries = [_summary(d / "EGA-1-causal-seed0") for d in (tmp_path / "reference", interrupted_dir)]
+    assert summaries[1]["resumed_from"] == checkpoints[0].name
+    assert summaries[0]["val_loss"] == summaries[1]["val_loss"]
+    trajectories = [(d / "EGA-1-causal-seed0" / "gate_trajectory.jsonl").read_text()
+                    for d in (tmp_path / "reference", interrupted_dir)]
+    assert trajectories[0] == trajectories[1]
+
+
+def test_stop_after_steps_leaves_a_checkpoint_to_resume(tiny_shakespeare, tmp_path):
+    arguments = ["--smoke", "--variants", "BASE", "--data_path", tiny_shakespeare, "--output_dir", str(tmp_path),
+                 "--no_plots", "--max_steps", "8", "--eval_steps", "100"]
+    assert tinyshakespeare.main(arguments + ["--stop_after_steps", "4"]) == EXIT_INTERRUPTED
+    assert [p.name for p in (tmp_path / "BASE-seed0").glob("checkpoint-*")] == ["checkpoint-4"]
+    assert not (tmp_path / "BASE-seed0" / "summary.json").exists()
+    assert tinyshakespeare.main(arguments) == 0
+    assert _summary(tmp_path / "BASE-seed0")["resumed_from"] == "checkpoint-4"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_recipe_runs_under_torchrun_with_two_cpu_processes(tiny_shakespeare, tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    command = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "training.tinyshakespeare",
+               "--smoke", "--variants", "EGA-1", "--threads", "1", "--no_plots", "--data_path", tiny_shakespeare,
+               "--output_dir", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=_environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["world_size"] == 2
+    summary = _summary(tmp_path / "EGA-1-causal-seed0")
+    assert summary["steps"] == 12 and summary["val_loss"] > 0
+    assert "validation loss  EGA-1 (causal)" in result.stdout

@@ -1,0 +1,89 @@
+"""The GPT-2 retrofit recipe: pretrain once, fine-tune arms at equal budget, artefacts that reload."""
+
+import json
+
+import pytest
+import torch
+
+import hf_spectral  # noqa: F401  (registers the energy-gated model types)
+from training import retrofit_gpt2
+
+from .conftest import synthetic_text
+
+
+@pytest.fixture(scope="module")
+def retrofit_run(tiny_shakespeare, tmp_path_factory):
+    wiki = tmp_path_factory.mktemp("wikitext-2")
+    for name, size, seed in (("train.txt", 40_000, 5), ("valid.txt", 8_000, 6), ("test.txt", 8_000, 7)):
+        (wiki / name).write_text(synthetic_text(size, seed).lower(), encoding="utf-8")
+    out = tmp_path_factory.mktemp("retrofit")
+    arguments = ["--smoke", "--pretrain_data_path", str(wiki), "--finetune_data_path", tiny_shakespeare,
+                 "--output_dir", str(out), "--threads", "2"]
+    code = retrofit_gpt2.main(arguments + ["--arms", "full", "gates", "gates+lora"])
+    return {"dir": out, "code": code, "arguments": arguments}
+
+
+def test_every_arm_is_fine_tuned_for_the_same_budget_and_tabulated(retrofit_run):
+    assert retrofit_run["code"] == 0
+    record = json.loads((retrofit_run["dir"] / "retrofit_gpt2.json").read_text())
+    rows = {row["arm"]: row for row in record["rows"]}
+    assert set(rows) == {"pretrained (no fine-tuning)", "full", "gates", "gates+lora"}
+    runs = {run["arm"]: run for run in record["runs"]}
+    assert {run["steps"] for run in runs.values()} == {retrofit_gpt2.PRESETS["smoke"].finetune_steps}
+    assert runs["gates"]["trainable_parameters"] < runs["gates+lora"]["trainable_parameters"] < runs["full"]["trainable_parameters"]
+    assert rows["gates"]["delta_vs_full"] == pytest.approx(runs["full"]["val_loss"] - runs["gates"]["val_loss"])
+    assert all(run["pretrain_val_loss"] > 0 for run in runs.values())
+    assert (retrofit_run["dir"] / "retrofit_gpt2.md").read_text().count("| gates") == 2
+
+
+def test_gates_only_arm_trains_nothing_but_the_gates(retrofit_run):
+    from transformers import AutoModelForCausalLM
+
+    pretrained = AutoModelForCausalLM.from_pretrained(retrofit_run["dir"] / "pretrained-seed0")
+    gated = AutoModelForCausalLM.from_pretrained(retrofit_run["dir"] / "gates-seed0")
+    assert type(gated).__name__ == "EnergyGatedGPT2LMHeadModel"
+    stock = pretrained.state_dict()
+    for name, tensor in gated.state_dict().items():
+        if ".energy_gate." in name:
+            continue
+        assert torch.equal(tensor, stock[name]), name
+    assert any(gated.transformer.h[0].attn.energy_gate.alpha.flatten() != 0)  # the gates did move
+
+
+def test_the_gates_file_rebuilds_the_fine_tuned_model_from_the_pretrained_one(retrofit_run):
+    from transformers import AutoModelForCausalLM
+
+    from hf_spectral.retrofit import load_energy_gates
+
+    base = AutoModelForCausalLM.from_pretrained(retrofit_run["dir"] / "pretrained-seed0").eval()
+    load_energy_gates(base, str(retrofit_run["dir"] / "gates-seed0" / "energy_gates.safetensors"))
+    saved = AutoModelForCausalLM.from_pretrained(retrofit_run["dir"] / "gates-seed0").eval()
+    ids = torch.randint(0, base.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(base(ids).logits, saved(ids).logits, atol=1e-6)
+
+
+def test_gates_with_lora_are_saved_in_the_adapter_and_reload(retrofit_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates
+
+    run_dir = retrofit_run["dir"] / "gates_lora-seed0"
+    assert (run_dir / "adapter_model.safetensors").is_file() and (run_dir / "energy_gate_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(retrofit_run["dir"] / "pretrained-seed0")
+    add_energy_gates(base, EnergyGateConfig.from_pretrained(str(run_dir)))
+    model = PeftModel.from_pretrained(base, str(run_dir))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    tau = next(p for n, p in model.named_parameters() if n.endswith("h.1.attn.energy_gate.modules_to_save.default.tau"))
+    assert torch.allclose(tau, torch.tensor(summary["gates"]["per_layer"]["1"]["tau"]))
+    card = (run_dir / "README.md").read_text()
+    assert "model-index" in card and "PeftModel.from_pretrained" in card
+
+
+def test_the_pretrained_model_is_reused_by_later_invocations(retrofit_run, capsys):
+    assert retrofit_gpt2.main(retrofit_run["arguments"] + ["--arms", "lora", "--no_plots"]) == 0
+    output = capsys.readouterr().out
+    assert "[pretrained] reusing" in output
+    record = json.loads((retrofit_run["dir"] / "retrofit_gpt2.json").read_text())
+    assert [row["arm"] for row in record["rows"]] == ["pretrained (no fine-tuning)", "lora"]

@@ -1,0 +1,591 @@
+"""Train and evaluate EGA-GPT variants on one character-level corpus: what ``tinyshakespeare`` and ``ptb_char``
+share. A recipe supplies its corpus, presets and paper numbers; this module does the rest.
+
+One *run* is one (variant, normalisation, seed). Each run lives in ``<output_dir>/<run name>/``:
+checkpoints while it trains, then the final model + tokenizer + ``README.md`` (model card), ``summary.json``
+(every measured number), ``trainer_state.json`` (the log), ``gate_trajectory.jsonl`` and PNG figures.
+A run whose ``summary.json`` exists is complete and is not trained again; a run with checkpoints resumes
+from the newest complete one. The comparison of all runs goes to ``<output_dir>/results.{json,md}`` and
+``validation_curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..results import current_command, hardware_summary, write_results
+from .callbacks import gate_parameters, read_gate_trajectory
+from .data import LMData, fixed_subset
+from .presets import LMPreset, world_size
+from .runs import (
+    EXIT_INTERRUPTED,
+    barrier,
+    build_trainer,
+    final_losses,
+    hub_repo_id,
+    is_main_process,
+    read_summary,
+    train_or_resume,
+    write_json,
+)
+from .trainer import remove_checkpoints
+NORMALIZATIONS = ("causal", "window", "none")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Run specifications
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    variant: str
+    normalization: str
+    seed: int
+
+    @property
+    def gated(self) -> bool:
+        return self.variant != "BASE"
+
+    @property
+    def label(self) -> str:
+        return self.variant if not self.gated else f"{self.variant} ({self.normalization})"
+
+    @property
+    def name(self) -> str:
+        return (self.variant if not self.gated else f"{self.variant}-{self.normalization}") + f"-seed{self.seed}"
+
+
+def parse_variant(text: str, default_normalization: str) -> tuple[str, str]:
+    """``EGA-1`` → (EGA-1, default); ``EGA-1:window`` → (EGA-1, window); ``BASE`` has no normalisation."""
+    from hf_spectral.models.ega_gpt.configuration_ega_gpt import VARIANTS
+
+    variant, _, normalization = text.partition(":")
+    if variant not in VARIANTS:
+        raise argparse.ArgumentTypeError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    normalization = normalization or default_normalization
+    if normalization not in NORMALIZATIONS:
+        raise argparse.ArgumentTypeError(f"unknown normalisation {normalization!r} in {text!r}; choose from {NORMALIZATIONS}")
+    return variant, ("none" if variant == "BASE" else normalization)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------------------
+
+
+def add_data_arguments(parser, corpus):
+    group = parser.add_argument_group("data")
+    group.add_argument("--data_path", help=f"file or folder holding {', '.join(corpus.files.values())} "
+                       f"(else ${corpus.env_var}, else $HF_SPECTRAL_DATA/{corpus.folder}/, else download)")
+    group.add_argument("--dataset_name", help=f"read the text from this Hugging Face Hub dataset instead "
+                       f"(e.g. {corpus.hub_dataset}); needs network access")
+    group.add_argument("--dataset_config", help="configuration name of --dataset_name")
+    group.add_argument("--text_column", default="text", help="text column of --dataset_name (default: text)")
+    group.add_argument("--no_download", action="store_true", help="never download; fail if no local copy is found")
+
+
+def add_training_arguments(parser, presets: dict, default_preset: str):
+    group = parser.add_argument_group("preset and size (a preset's numbers are defaults; options override them)")
+    group.add_argument("--preset", choices=sorted(presets), default=default_preset,
+                       help="; ".join(f"{name}: {preset.description}" for name, preset in presets.items()))
+    group.add_argument("--smoke", action="store_true", help="tiny model, a few steps, for tests (< 1 minute)")
+    for name, kind, text in (
+        ("num_hidden_layers", int, "transformer blocks"),
+        ("num_attention_heads", int, "attention heads"),
+        ("hidden_size", int, "model width C"),
+        ("context_length", int, "tokens per training example (= max positions)"),
+        ("dropout", float, "dropout on embeddings, residuals and attention"),
+    ):
+        group.add_argument(f"--{name}", type=kind, help=text)
+    group = parser.add_argument_group("training")
+    for name, kind, text in (
+        ("max_steps", int, "optimizer steps"),
+        ("batch_size", int, "global batch (split over processes under torchrun)"),
+        ("learning_rate", float, "peak AdamW learning rate"),
+        ("warmup_steps", int, "linear warm-up steps before the cosine decay"),
+        ("weight_decay", float, "AdamW weight decay (matrices and embeddings only)"),
+        ("eval_steps", int, "steps between validation-curve points"),
+        ("eval_batches", int, "batches of the fixed validation subset per curve point"),
+        ("final_eval_batches", int, "batches for the final losses (default: the whole validation split)"),
+        ("leak_free_batches", int, "batches for the leak-free loss (default: the whole validation split)"),
+        ("save_steps", int, "steps between checkpoints"),
+        ("logging_steps", int, "steps between training-loss log lines"),
+    ):
+        group.add_argument(f"--{name}", type=kind, help=text)
+    group.add_argument("--seeds", type=int, nargs="+", help="one run per seed (default: the preset's)")
+    group.add_argument("--threads", type=int, help="torch CPU threads per process (default: torch's choice)")
+    group.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager", "flex_attention"])
+    group.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GPUs)")
+    group.add_argument("--report_to", default="none", help="Trainer loggers, e.g. tensorboard, wandb (default: none)")
+    group = parser.add_argument_group("output, checkpoints, Hub")
+    group.add_argument("--output_dir", help="where runs are written (default: runs/<recipe>-<preset>)")
+    group.add_argument("--restart", action="store_true", help="discard existing checkpoints and results of the runs")
+    group.add_argument("--stop_after_steps", type=int,
+                       help="stop with a checkpoint after this many steps (resume by rerunning without it)")
+    group.add_argument("--keep_checkpoints", action="store_true", help="keep checkpoints after a run completes")
+    group.add_argument("--no_plots", action="store_true", help="skip the PNG figures")
+    group.add_argument("--push_to_hub", action="store_true", help="push each trained model (and checkpoints) to the Hub")
+    group.add_argument("--hub_model_id", help="repository name; with several runs the run name is appended")
+    group.add_argument("--hub_token", help="token with write access (default: the cached login)")
+    group.add_argument("--hub_private_repo", action="store_true", default=None, help="create private repositories")
+    group.add_argument("--hub_strategy", default="every_save", choices=["end", "every_save", "checkpoint", "all_checkpoints"])
+
+
+def build_parser(recipe: str, description: str, corpus, presets: dict, default_preset: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m training.{recipe}", description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--variants", nargs="+", metavar="VARIANT[:NORM]",
+                        help="models to train: BASE, EGA-1, EGA-2, EGA-4, EGA-C, EGA-M-F, EGA-M, EGA-DB2, EGA-DB4, "
+                             "optionally with a normalisation suffix, e.g. EGA-1:window (default: the preset's)")
+    parser.add_argument("--normalization", default="causal", choices=NORMALIZATIONS,
+                        help="energy normalisation of variants given without a suffix (default: causal)")
+    add_data_arguments(parser, corpus)
+    add_training_arguments(parser, presets, default_preset)
+    return parser
+
+
+def resolve_preset(args, presets: dict) -> tuple[str, LMPreset]:
+    name = "smoke" if args.smoke else args.preset
+    preset = presets[name].replace(
+        **{field: getattr(args, field, None) for field in LMPreset.__dataclass_fields__
+           if field not in ("description", "variants", "seeds")}
+    )
+    if args.seeds:
+        preset = preset.replace(seeds=tuple(args.seeds))
+    for field in ("num_hidden_layers", "num_attention_heads", "hidden_size", "context_length", "batch_size",
+                  "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps"):
+        if getattr(preset, field) <= 0:
+            raise SystemExit(f"error: --{field} must be positive, got {getattr(preset, field)}")
+    if preset.hidden_size % preset.num_attention_heads:
+        raise SystemExit(f"error: --hidden_size {preset.hidden_size} is not divisible by --num_attention_heads "
+                         f"{preset.num_attention_heads}")
+    if not 0 <= preset.dropout < 1:
+        raise SystemExit(f"error: --dropout must be in [0, 1), got {preset.dropout}")
+    return name, preset
+
+
+def run_specs(args, preset: LMPreset) -> list:
+    texts = args.variants or list(preset.variants)
+    try:
+        parsed = [parse_variant(text, args.normalization) for text in texts]
+    except argparse.ArgumentTypeError as error:
+        raise SystemExit(f"error: {error}") from None
+    unique = list(dict.fromkeys(parsed))
+    return [RunSpec(variant, normalization, seed) for variant, normalization in unique for seed in preset.seeds]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One run
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Benchmark:
+    """What a recipe tells the shared layer about its corpus and the paper."""
+
+    recipe: str
+    title: str  # e.g. "TinyShakespeare (char)"
+    hub_dataset: str  # Hub id for model cards
+    dataset_description: str
+    paper: dict  # label -> the authors' validation loss (SPEC 1.4)
+    paper_gap: dict  # label -> the authors' generalisation gap
+    prompt: str = "\n"
+
+
+def build_model(spec: RunSpec, preset: LMPreset, vocab_size: int, attn_implementation: str):
+    from hf_spectral import EGAConfig, EGAForCausalLM
+
+    extra = {} if not spec.gated else {"energy_normalization": spec.normalization}
+    config = EGAConfig.from_variant(
+        spec.variant,
+        vocab_size=vocab_size,
+        max_position_embeddings=preset.context_length,
+        hidden_size=preset.hidden_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        embd_pdrop=preset.dropout,
+        resid_pdrop=preset.dropout,
+        attn_pdrop=preset.dropout,
+        **extra,
+    )
+    model = EGAForCausalLM(config)
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def batches_of(dataset, batch_size: int, limit: int | None):
+    count = len(dataset) if limit is None else min(len(dataset), limit * batch_size)
+    for start in range(0, count, batch_size):
+        yield torch.as_tensor(dataset[start : min(start + batch_size, count)]["input_ids"], dtype=torch.long)
+
+
+def leak_free_evaluation(model, dataset, batch_size: int, limit: int | None) -> dict:
+    """Ordinary and leak-free loss on the same validation blocks (token-weighted means)."""
+    from hf_spectral.evaluation import causal_lm_losses
+
+    totals, tokens = {"loss": 0.0, "leak_free_loss": 0.0}, 0
+    for input_ids in batches_of(dataset, batch_size, limit):
+        losses = causal_lm_losses(model, input_ids)
+        count = input_ids.shape[0] * (input_ids.shape[1] - 1)
+        for key in totals:
+            totals[key] += losses[key] * count
+        tokens += count
+    return {key: value / tokens for key, value in totals.items()} | {"tokens": tokens}
+
+
+def gate_statistics(model, dataset, tokenizer, blocks: int = 16) -> dict:
+    """Mean gate value per character over some validation blocks (mean over layers and heads): which
+    characters the gates keep (high g) and which they suppress (low g)."""
+    from .plots import gate_values_per_token
+
+    sums, counts = {}, {}
+    for index in range(min(blocks, len(dataset))):
+        ids = torch.as_tensor(dataset[index]["input_ids"], dtype=torch.long)
+        gates = gate_values_per_token(model, ids)
+        mean = torch.stack([values.mean(0) for values in gates.values()]).mean(0)
+        for token, value in zip(ids.tolist(), mean.tolist()):
+            sums[token] = sums.get(token, 0.0) + value
+            counts[token] = counts.get(token, 0) + 1
+    frequent = {token: sums[token] / counts[token] for token in sums if counts[token] >= 10}
+    ranked = sorted(frequent.items(), key=lambda item: item[1])
+    name = lambda token: tokenizer.convert_ids_to_tokens(token)  # noqa: E731
+    return {
+        "lowest_gate": [[name(t), round(v, 4)] for t, v in ranked[:8]],
+        "highest_gate": [[name(t), round(v, 4)] for t, v in ranked[::-1][:8]],
+    }
+
+
+def tau_summary(model) -> dict | None:
+    gates = gate_parameters(model)
+    if not gates:
+        return None
+    per_layer = {str(layer): {"tau": tau.tolist(), "alpha": alpha.tolist()} for layer, (tau, alpha) in gates.items()}
+    taus = torch.cat([tau.flatten() for tau, _ in gates.values()])
+    alphas = torch.cat([alpha.flatten() for _, alpha in gates.values()])
+    return {
+        "tau_mean": float(taus.mean()), "tau_std": float(taus.std()) if taus.numel() > 1 else 0.0,
+        "alpha_mean": float(alphas.mean()), "per_layer": per_layer,
+    }
+
+
+def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmark, args, output_dir: str, runs: int):
+    """Train (or resume, or skip if complete) one run; return its summary, or None if it was interrupted."""
+    from transformers import set_seed
+
+    run_dir = os.path.join(output_dir, spec.name)
+    if args.restart and is_main_process() and os.path.isdir(run_dir):
+        shutil.rmtree(run_dir)
+    barrier()
+    done = read_summary(run_dir)
+    if done is not None:
+        print(f"[{spec.name}] complete already ({run_dir}/summary.json); --restart trains it again", flush=True)
+        return done
+    os.makedirs(run_dir, exist_ok=True)
+
+    set_seed(spec.seed)  # the seed fixes the initial weights, the data order and the dropout masks
+    tokenizer = data.tokenizer
+    model = build_model(spec, preset, len(tokenizer), args.attn_implementation)
+    hub_model_id = hub_repo_id(args, spec.name, runs)
+    summary = {}
+    trainer, interrupt = build_trainer(
+        model, run_dir, preset, spec.seed, data.datasets["train"],
+        fixed_subset(data.datasets["validation"], preset.eval_batches * preset.batch_size), tokenizer, args,
+        chars_per_token=data.chars_per_token("validation"), run_name=f"{benchmark.recipe}/{spec.name}",
+        hub_model_id=hub_model_id,
+        model_card_fn=lambda directory: write_card(directory, spec, preset, benchmark, summary, model,
+                                                   repo_id=hub_model_id if args.push_to_hub else directory),
+    )
+    timing = train_or_resume(trainer, interrupt, run_dir, preset.max_steps)
+    if timing is None:
+        return None
+
+    extra_sets = {"test": data.datasets["test"]} if "test" in data.datasets and getattr(args, "eval_test", False) else None
+    summary.update(
+        run=spec.name, variant=spec.variant, normalization=spec.normalization, seed=spec.seed,
+        sees_future=model.config.sees_future, steps=trainer.state.global_step,
+        parameters=sum(p.numel() for p in model.parameters()),
+        gate_parameters=sum(p.numel() for n, p in model.named_parameters() if "energy_gate" in n),
+        **timing, **final_losses(trainer, data, preset, extra_sets),
+    )
+    # Under FSDP every process holds a shard, so every process must run these forwards; otherwise only the main one.
+    if is_main_process() or trainer.is_fsdp_enabled:
+        if model.config.sees_future:
+            leak = leak_free_evaluation(model, data.datasets["validation"], preset.batch_size, preset.leak_free_batches)
+            summary.update(val_loss_leak_free=leak["leak_free_loss"], val_loss_same_blocks=leak["loss"],
+                           leak_free_tokens=leak["tokens"])
+        gates = tau_summary(model)
+        if gates:
+            summary["gates"] = gates
+            summary["gate_by_character"] = gate_statistics(model, data.datasets["validation"], tokenizer)
+    trainer.save_model()  # final model + tokenizer in the run folder, next to its card
+    if is_main_process():
+        summary.update(command=current_command(), preset=preset.to_dict(), hardware=hardware_summary(),
+                       log_history=trainer.state.log_history)
+        if not args.no_plots:
+            write_run_plots(run_dir, spec, model, data, trainer.state.log_history, benchmark)
+    if args.push_to_hub:
+        trainer.push_to_hub(commit_message=f"{spec.name}: end of training")
+    else:
+        trainer.create_model_card()
+    if is_main_process():
+        if not args.keep_checkpoints:
+            remove_checkpoints(run_dir)
+        write_json(os.path.join(run_dir, "summary.json"), summary)  # last: its presence marks the run complete
+    barrier()
+    return summary
+
+
+def write_run_plots(run_dir, spec, model, data, log_history, benchmark):
+    from .plots import gate_values_per_token, plot_gate_heatmap, plot_gate_trajectories, plot_learning_curves
+
+    plot_learning_curves({spec.label: log_history}, os.path.join(run_dir, "learning_curve.png"),
+                         f"{benchmark.title}: {spec.label}, seed {spec.seed}")
+    if not spec.gated:
+        return
+    sample = torch.as_tensor(data.datasets["validation"][0]["input_ids"][:96], dtype=torch.long)
+    gates = gate_values_per_token(model, sample)
+    tokens = data.tokenizer.convert_ids_to_tokens(sample.tolist())
+    plot_gate_heatmap(gates, tokens, os.path.join(run_dir, "gate_heatmap.png"),
+                      f"{benchmark.title}: gate values of {spec.label} on validation text (rows: layer, head)")
+    records = read_gate_trajectory(os.path.join(run_dir, "gate_trajectory.jsonl"))
+    if records:
+        plot_gate_trajectories(records, os.path.join(run_dir, "gate_trajectories.png"),
+                               f"{benchmark.title}: τ and α of {spec.label} during training")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Model card
+# ------------------------------------------------------------------------------------------------------------
+
+
+def write_card(directory: str, spec: RunSpec, preset: LMPreset, benchmark: Benchmark, summary: dict, model,
+               repo_id: str | None = None) -> str:
+    from hf_spectral.models.ega_gpt.configuration_ega_gpt import VARIANTS
+
+    from .model_card import build_model_card, write_model_card
+
+    rows = [("validation loss (nats/char)", "loss", summary.get("val_loss")),
+            ("validation perplexity", "perplexity", summary.get("val_perplexity")),
+            ("validation bits per character", "bits_per_char", summary.get("val_bits_per_char")),
+            ("training loss, eval mode (nats/char)", "loss", summary.get("train_loss")),
+            ("generalisation gap (val − train)", "generalization_gap", summary.get("generalization_gap"))]
+    if "val_loss_leak_free" in summary:
+        rows.insert(0, ("LEAK-FREE validation loss (nats/char)", "loss", summary["val_loss_leak_free"]))
+    if "test_loss" in summary:
+        rows.append(("test loss (nats/char)", "loss", summary["test_loss"]))
+    table = "| metric | value |\n|---|---|\n" + "".join(
+        f"| {name} | {value:.4f} |\n" for name, _, value in rows if value is not None)
+    notes = []
+    if summary.get("gates"):
+        notes.append(f"Learned gate threshold τ: mean {summary['gates']['tau_mean']:.3f} "
+                     f"(± {summary['gates']['tau_std']:.3f} over heads and layers); slope α: mean "
+                     f"{summary['gates']['alpha_mean']:.3f}.")
+    if benchmark.paper.get(spec.label) or benchmark.paper.get(spec.variant):
+        notes.append(f"The EGA authors report {benchmark.paper.get(spec.variant):.4f} for {spec.variant} at their "
+                     f"full scale (6 layers, C = 256, 5000 steps, single seed, window statistics); this model's "
+                     f"size and schedule are given above.")
+    variant_descriptions = {
+        "BASE": "no energy gates (baseline)", "EGA-1": "one linear energy projection per head",
+        "EGA-2": "two linear energy projections per head", "EGA-4": "four linear energy projections per head",
+        "EGA-C": "causal Conv1d energies, kernels 3/7/15/31", "EGA-M-F": "fixed causal Morlet energies",
+        "EGA-M": "learned causal Morlet energies", "EGA-DB2": "Daubechies db2 high-pass energies",
+        "EGA-DB4": "Daubechies db4 high-pass energies",
+    }
+    card = build_model_card(
+        "ega_gpt.md",
+        model_name=f"ega-gpt-{benchmark.recipe}-{spec.name}".lower(),
+        results=[{"split": "validation", "metric_type": kind, "metric_name": name, "value": value}
+                 for name, kind, value in rows if value is not None],
+        dataset_id=benchmark.hub_dataset,
+        dataset_name=benchmark.title,
+        tags=["hf_spectral", "ega-gpt", "energy-gated-attention", "character-level", spec.variant.lower()],
+        summary=(f"A character-level EGA-GPT language model ({spec.label}) trained on {benchmark.title} with the "
+                 f"hf_spectral `{benchmark.recipe}` recipe."),
+        sees_future=bool(summary.get("sees_future")),
+        variant=spec.variant,
+        variant_description=variant_descriptions.get(spec.variant, VARIANTS.get(spec.variant)),
+        normalization=spec.normalization if spec.gated else "n/a (no gates)",
+        size=(f"{preset.num_hidden_layers} layers, {preset.num_attention_heads} heads, C = {preset.hidden_size}, "
+              f"context {preset.context_length}, dropout {preset.dropout}"),
+        num_parameters=f"{summary.get('parameters', sum(p.numel() for p in model.parameters())):,}",
+        gate_parameters=f"{summary.get('gate_parameters', 0):,}",
+        tokenizer_description=f"characters ({model.config.vocab_size} ids), `hf_spectral.CharTokenizer`",
+        dataset_description=benchmark.dataset_description,
+        schedule=(f"{preset.max_steps} steps, batch {preset.batch_size}, AdamW lr {preset.learning_rate} "
+                  f"betas ({preset.adam_beta1}, {preset.adam_beta2}) weight decay {preset.weight_decay}, "
+                  f"clip {preset.max_grad_norm}, {preset.warmup_steps} warm-up steps, {preset.lr_scheduler_type} decay"),
+        seed=spec.seed,
+        hardware=_hardware_line(summary.get("hardware") or hardware_summary()),
+        wall_time=f"{summary['train_seconds'] / 60:.1f} min of training" if "train_seconds" in summary else "n/a",
+        command=summary.get("command") or current_command(),
+        results_table=table,
+        results_notes="\n\n".join(notes),
+        repo_id=repo_id or directory,
+        prompt=benchmark.prompt.replace("\n", "\\n"),
+        recipe=benchmark.recipe,
+        limitations=("A small research model trained on one small corpus: it reproduces the corpus' style, not "
+                     "facts. Validation losses are single-seed numbers of this run; see results/ega/ of the "
+                     "hf_spectral repository for means over seeds."),
+    )
+    return write_model_card(card, directory)
+
+
+def _hardware_line(hardware: dict) -> str:
+    device = hardware.get("cuda") or hardware.get("cpu_model") or hardware.get("processor")
+    return f"{device}, {hardware.get('torch_threads')} torch threads, torch {hardware.get('torch')}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tables
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _mean_std(values: list) -> tuple:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def _pm(mean, std, digits=4):
+    if mean is None:
+        return ""
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
+
+
+def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None) -> list:
+    """One row per (variant, normalisation): mean ± std over seeds, Δ vs BASE (positive = better than BASE,
+    as in SPEC 1.4), gap, learned τ, and the paper's numbers beside them."""
+    groups = {}
+    for summary in summaries:
+        spec = RunSpec(summary["variant"], summary["normalization"], summary["seed"])
+        groups.setdefault(spec.label, []).append(summary)
+    base = _mean_std([s["val_loss"] for s in groups.get("BASE", [])])[0]
+    paper_base = paper.get("BASE")
+    rows = []
+    for label, runs in groups.items():
+        variant = runs[0]["variant"]
+        val, val_std = _mean_std([s["val_loss"] for s in runs])
+        leak, leak_std = _mean_std([s.get("val_loss_leak_free") for s in runs])
+        comparable = leak if leak is not None else val  # the leak-free loss is the one that compares with BASE
+        gap, gap_std = _mean_std([s["generalization_gap"] for s in runs])
+        tau, tau_std = _mean_std([s["gates"]["tau_mean"] for s in runs if s.get("gates")])
+        rows.append({
+            "model": label,
+            "seeds": len(runs),
+            "val loss": _pm(val, val_std),
+            "leak-free val loss": _pm(leak, leak_std),
+            "Δ vs BASE": "" if base is None or label == "BASE" else f"{base - comparable:+.4f}",
+            "gap (val − train)": _pm(gap, gap_std),
+            "τ (mean)": _pm(tau, tau_std, 3),
+            "paper val": "" if paper.get(variant) is None else f"{paper[variant]:.4f}",
+            "paper Δ": "" if paper.get(variant) is None or paper_base is None or variant == "BASE"
+            else f"{paper_base - paper[variant]:+.4f}",
+            "paper gap": "" if not paper_gap or paper_gap.get(variant) is None else f"{paper_gap[variant]:.3f}",
+            "val_loss_mean": val, "val_loss_std": val_std, "leak_free_mean": leak, "leak_free_std": leak_std,
+            "gap_mean": gap, "gap_std": gap_std, "tau_mean": tau, "tau_std": tau_std,
+            "delta_vs_base": None if base is None or label == "BASE" else base - comparable,
+        })
+    return rows
+
+
+TABLE_COLUMNS = ["model", "seeds", "val loss", "leak-free val loss", "Δ vs BASE", "gap (val − train)", "τ (mean)",
+                 "paper val", "paper Δ", "paper gap"]
+
+
+def write_experiment_results(out, summaries, preset_name, preset, benchmark, data):
+    from .plots import plot_learning_curves
+
+    rows = comparison_rows(summaries, benchmark.paper, benchmark.paper_gap)
+    notes = (
+        f"Validation loss in nats per character, final step, {'the whole validation split' if preset.final_eval_batches is None else f'{preset.final_eval_batches} batches'} "
+        f"in evaluation mode; mean ± sample std over seeds. Δ vs BASE = BASE − model (positive: better than BASE), "
+        "computed from the leak-free loss where there is one. `window` models see future tokens: their ordinary "
+        "loss is not comparable. Paper numbers: SPEC 1.4 (authors' README, 6 layers, C = 256, 5000 steps, one seed, "
+        "window statistics)."
+    )
+    config = {"preset": preset_name, **preset.to_dict(), "corpus_tokens": data.tokens, "vocab_size": len(data.tokenizer),
+              "world_size": world_size()}
+    seeds = sorted({s["seed"] for s in summaries})
+    paths = write_results(out, "results", rows, title=f"{benchmark.title}: EGA-GPT variants ({preset_name} preset)",
+                          config=config, seeds=seeds, notes=notes, columns=TABLE_COLUMNS)
+    histories = {f"{RunSpec(s['variant'], s['normalization'], s['seed']).label} seed {s['seed']}": s["log_history"]
+                 for s in summaries if s.get("log_history")}
+    if histories:
+        plot_learning_curves(histories, os.path.join(out, "validation_curves.png"),
+                             f"{benchmark.title}: validation loss per variant ({preset_name} preset)")
+    return rows, paths
+
+
+def print_final_losses(summaries: list):
+    """The numbers a user waits for, on their own lines at the end of the output."""
+    print("\n" + "=" * 78)
+    base = [s["val_loss"] for s in summaries if s["variant"] == "BASE"]
+    base_mean = statistics.fmean(base) if base else None
+    for summary in summaries:
+        spec = RunSpec(summary["variant"], summary["normalization"], summary["seed"])
+        line = f"validation loss  {spec.label:<22} seed {spec.seed}: {summary['val_loss']:.4f} nats/char"
+        if "val_loss_leak_free" in summary:
+            line += f"  (leak-free: {summary['val_loss_leak_free']:.4f}; the ordinary loss sees future tokens)"
+        comparable = summary.get("val_loss_leak_free", summary["val_loss"])
+        if base_mean is not None and summary["variant"] != "BASE":
+            line += f"  Δ vs BASE {base_mean - comparable:+.4f}"
+        print(line)
+    print("=" * 78, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Entry point shared by the recipes
+# ------------------------------------------------------------------------------------------------------------
+
+
+def run_recipe(argv, *, benchmark: Benchmark, corpus, presets: dict, default_preset: str, description: str,
+               load_data, extra_arguments=None) -> int:
+    """Parse ``argv``, prepare the corpus, train every requested run, write the comparison. Returns the exit code."""
+    parser = build_parser(benchmark.recipe, description, corpus, presets, default_preset)
+    if extra_arguments:
+        extra_arguments(parser)
+    args = parser.parse_args(argv)
+    preset_name, preset = resolve_preset(args, presets)
+    specs = run_specs(args, preset)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    output_dir = args.output_dir or os.path.join("runs", f"{benchmark.recipe}-{preset_name}")
+    os.makedirs(output_dir, exist_ok=True)
+
+    from .data import CorpusNotFoundError
+
+    from accelerate import PartialState
+
+    try:
+        # The main process writes the tokenizer files first; the others then read the same vocabulary.
+        with PartialState().main_process_first():
+            data = load_data(args, preset, os.path.join(output_dir, "tokenizer"))
+    except (CorpusNotFoundError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"{benchmark.title}: {', '.join(f'{k} {v:,} tokens' for k, v in data.tokens.items())}; vocabulary "
+          f"{len(data.tokenizer)}; preset {preset_name}; runs: {', '.join(s.name for s in specs)}", flush=True)
+
+    summaries = []
+    for spec in specs:
+        summary = train_run(spec, data, preset, benchmark, args, output_dir, len(specs))
+        if summary is None:
+            return EXIT_INTERRUPTED
+        summaries.append(summary)
+    if is_main_process():
+        rows, paths = write_experiment_results(output_dir, summaries, preset_name, preset, benchmark, data)
+        print(open(paths[1], encoding="utf-8").read().split("## Provenance")[0])
+        print_final_losses(summaries)
+    return 0
+

@@ -1,0 +1,133 @@
+"""One training run with ``Trainer``, as every recipe does it: build the trainer, train or resume, score the result.
+
+A run lives in its own folder: checkpoints while it trains (resumed from the newest complete one), then the final
+model next to its ``summary.json``, whose presence marks the run complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from .callbacks import GateTrajectoryCallback, GracefulInterruptCallback, StopAfterStepsCallback
+from .data import fixed_subset
+from .presets import LMPreset, training_arguments
+from .trainer import RecipeTrainer, collate_blocks, last_complete_checkpoint, lm_compute_metrics, load_metric, token_nll
+
+EXIT_INTERRUPTED = 3  # exit status of a recipe that stopped with a checkpoint (signal or --stop_after_steps)
+TRAIN_EVAL_BLOCKS = 1000  # training blocks scored in evaluation mode for the generalisation gap (at most)
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def barrier():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def write_json(path: str, payload: dict):
+    """Write through a temporary file: an interrupted write never leaves a half summary behind."""
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=2, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def read_summary(run_dir: str) -> dict | None:
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def hub_repo_id(args, run_name: str, runs: int) -> str | None:
+    """``--hub_model_id``, with the run name appended when one invocation trains several runs."""
+    if not args.hub_model_id:
+        return None
+    return f"{args.hub_model_id}-{run_name}" if runs > 1 else args.hub_model_id
+
+
+def build_trainer(model, run_dir: str, preset: LMPreset, seed: int, train_set, curve_set, tokenizer, args, *,
+                  optimizer=None, model_card_fn=None, hub_model_id=None, chars_per_token: float = 1.0,
+                  run_name: str | None = None):
+    """A ``RecipeTrainer`` for one run, with the recipes' callbacks; returns it and its interrupt callback."""
+    training_args = training_arguments(
+        preset, run_dir, seed,
+        dataloader_drop_last=False,
+        bf16=args.bf16 or None,
+        report_to=args.report_to,
+        run_name=run_name,
+        push_to_hub=args.push_to_hub or None,
+        hub_model_id=hub_model_id,
+        hub_token=args.hub_token,
+        hub_private_repo=args.hub_private_repo,
+        hub_strategy=args.hub_strategy,
+    )
+    interrupt = GracefulInterruptCallback()
+    callbacks = [interrupt, GateTrajectoryCallback(os.path.join(run_dir, "gate_trajectory.jsonl"), preset.logging_steps)]
+    if args.stop_after_steps:
+        callbacks.append(StopAfterStepsCallback(args.stop_after_steps))
+    batch = preset.batch_size
+    trainer = RecipeTrainer(
+        model=model,
+        args=training_args,
+        # Full training batches at every epoch boundary, so that evaluation can keep every block (no drop_last).
+        train_dataset=train_set.select(range(len(train_set) // batch * batch)),
+        eval_dataset={"validation_curve": curve_set},
+        data_collator=collate_blocks,
+        processing_class=tokenizer,
+        compute_metrics=lm_compute_metrics(chars_per_token),
+        preprocess_logits_for_metrics=token_nll,
+        callbacks=callbacks,
+        optimizers=(optimizer, None),
+        model_card_fn=model_card_fn,
+    )
+    return trainer, interrupt
+
+
+def train_or_resume(trainer, interrupt, run_dir: str, max_steps: int) -> dict | None:
+    """Train, resuming from the newest complete checkpoint of ``run_dir``. Returns timing facts, or None when the
+    run stopped early (signal, ``--stop_after_steps``) with a checkpoint to resume from."""
+    name = os.path.basename(os.path.normpath(run_dir))
+    checkpoint = last_complete_checkpoint(run_dir)
+    if checkpoint:
+        print(f"[{name}] resuming from {checkpoint}", flush=True)
+    started = time.time()
+    output = trainer.train(resume_from_checkpoint=checkpoint)
+    if trainer.state.global_step < max_steps:
+        print(f"[{name}] stopped at step {trainer.state.global_step}/{max_steps} "
+              f"({interrupt.interrupted_by or '--stop_after_steps'}); checkpoint in {run_dir}. "
+              f"Rerun the same command to resume.", flush=True)
+        return None
+    return {"train_seconds": round(time.time() - started, 1),
+            "resumed_from": checkpoint and os.path.basename(checkpoint),
+            "train_runtime_last_session": output.metrics.get("train_runtime")}
+
+
+def final_losses(trainer, data, preset: LMPreset, extra_sets: dict | None = None) -> dict:
+    """Final losses in evaluation mode: the validation split (whole, or ``final_eval_batches`` of it) and as many
+    training blocks (at most ``TRAIN_EVAL_BLOCKS``), so that val − train is the generalisation gap and not a
+    dropout artefact; plus ``extra_sets`` (name → dataset, e.g. a test split)."""
+    limit = preset.final_eval_batches and preset.final_eval_batches * preset.batch_size
+    validation = fixed_subset(data.datasets["validation"], limit)
+    train_blocks = min(len(validation), TRAIN_EVAL_BLOCKS)
+    sets = {"validation": validation, "train": fixed_subset(data.datasets["train"], train_blocks, seed=1),
+            **(extra_sets or {})}
+    metrics = trainer.evaluate(eval_dataset=sets)
+    result = {
+        "val_loss": metrics["eval_validation_loss"], "train_loss": metrics["eval_train_loss"],
+        "val_perplexity": metrics["eval_validation_perplexity"],
+        "val_bits_per_char": metrics["eval_validation_bits_per_char"],
+        "val_blocks": len(validation), "train_eval_blocks": train_blocks,
+    }
+    for name in extra_sets or {}:
+        result[f"{name}_loss"] = metrics[f"eval_{name}_loss"]
+        result[f"{name}_bits_per_char"] = metrics[f"eval_{name}_bits_per_char"]
+    result["generalization_gap"] = load_metric("generalization_gap").compute(
+        predictions=[result["val_loss"]], references=[result["train_loss"]])["gap"]
+    return result
