@@ -5,7 +5,8 @@
     python -m training.reproduce_ega --aggregate_only            # rebuild results/ega/ from finished runs
 
 Runs: BASE, EGA-1 (causal) and EGA-1 (window) with ``--main_seeds`` (default 0 1 2); EGA-2, EGA-4, EGA-C,
-EGA-M-F, EGA-M, EGA-DB2 and EGA-DB4 (causal) with ``--other_seeds`` (default 0). Each run is one recipe
+EGA-M-F, EGA-M, EGA-DB2 and EGA-DB4 (causal) with ``--other_seeds`` (default 0; ``--other_seeds`` alone
+skips them). Each run is one recipe
 process (``python -m training.<benchmark> --variants V --seeds S ...``) logging to ``<output_dir>/logs/``;
 ``--jobs`` of them run at once. Finished runs (``summary.json``) are skipped and interrupted ones resume from
 their checkpoints, so the command can be rerun at any time. The tables, figures and conclusions data are
@@ -226,7 +227,8 @@ def main(argv=None) -> int:
     parser.add_argument("--benchmarks", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     parser.add_argument("--preset", default="cpu", help="recipe preset for every run (default: cpu)")
     parser.add_argument("--main_seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--other_seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--other_seeds", type=int, nargs="*", default=[0],
+                        help="seeds of the other variants (none: only BASE and EGA-1, e.g. for a longer schedule)")
     parser.add_argument("--jobs", type=int, default=2, help="recipe processes at once (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--output_dir", default="runs/ega_reproduction")
