@@ -1,4 +1,5 @@
-"""EGA-GPT against GPT2LMHeadModel of the same size, both with SDPA, measured in the same run as ratios.
+"""EGA-GPT against GPT2LMHeadModel of the same size (and the same exact GELU), both with SDPA, measured in the
+same run as ratios.
 
     python benchmarks/bench_ega_gpt.py                 # full run, writes results/benchmarks/ega_gpt.{json,md}
     python benchmarks/bench_ega_gpt.py --quick         # smaller, for a smoke check
@@ -33,9 +34,11 @@ def build(name: str, context: int):
     import hf_spectral
 
     if name == "gpt2":
+        # Exact GELU as in EGA-GPT (GPT-2's default tanh approximation costs several extra element-wise ops).
         config = GPT2Config(
             n_embd=SIZE["hidden_size"], n_layer=SIZE["num_hidden_layers"], n_head=SIZE["num_attention_heads"],
-            vocab_size=SIZE["vocab_size"], n_positions=context, tie_word_embeddings=True,
+            vocab_size=SIZE["vocab_size"], n_positions=context, tie_word_embeddings=True, activation_function="gelu",
+            bos_token_id=0, eos_token_id=0,
         )
         model = GPT2LMHeadModel(config)
     else:
