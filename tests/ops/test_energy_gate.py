@@ -16,6 +16,8 @@ from hf_spectral.models.ega_gpt.energy_gate import (
     morlet_kernels,
     normalize_energy,
     causal_zscore,
+    project_folded_output,
+    project_folded_qkv,
 )
 
 
@@ -121,6 +123,36 @@ def test_folded_bias_equals_gating_and_renormalising_the_attention(width):
     torch.testing.assert_close(folded[..., :dim], expected)
     if aux is not None:  # the extra value channels carry the aux state through unchanged in the cache
         torch.testing.assert_close(v2[..., dim:], aux)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("width", [1, 3])
+def test_projections_in_the_folded_layout_equal_folding_after_projecting(width, with_bias):
+    """The fused path (padded weights, bias and state written in place) gives fold_bias_into_qkv's q', k', v' and,
+    after attention, the same output projection as cutting the extra channels off first."""
+    generator = torch.Generator().manual_seed(4)
+    batch, length, heads, dim = 2, 5, 3, 4
+    hidden = heads * dim
+    x = torch.randn(batch, length, hidden, generator=generator, dtype=torch.float64)
+    c_attn = torch.nn.Linear(hidden, 3 * hidden, bias=with_bias, dtype=torch.float64)
+    c_proj = torch.nn.Linear(hidden, hidden, bias=with_bias, dtype=torch.float64)
+    bias = torch.randn(batch, heads, length, generator=generator, dtype=torch.float64)
+    aux = torch.randn(batch, heads, length, width, generator=generator, dtype=torch.float64) if width > 1 else None
+    scaling = dim**-0.5
+
+    q, k, v = (t.view(batch, length, heads, dim).transpose(1, 2) for t in c_attn(x).split(hidden, dim=2))
+    expected = fold_bias_into_qkv(q, k, v, bias, scaling, aux)
+
+    qkv = project_folded_qkv(x, c_attn.weight, c_attn.bias, heads, dim, width, scaling)
+    qkv[:, :, 1, :, dim] = bias.transpose(1, 2)
+    if aux is not None:
+        qkv[:, :, 2, :, dim:] = aux.transpose(1, 2)
+    for got, want in zip(qkv.permute(2, 0, 3, 1, 4).unbind(0), expected):
+        torch.testing.assert_close(got, want)
+
+    out = torch.randn(batch, length, heads, dim + width, generator=generator, dtype=torch.float64)
+    torch.testing.assert_close(project_folded_output(out, c_proj.weight, c_proj.bias),
+                               c_proj(out[..., :dim].reshape(batch, length, hidden)))
 
 
 def test_causal_filter_matches_direct_convolution():

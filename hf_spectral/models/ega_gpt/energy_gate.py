@@ -196,6 +196,39 @@ def fold_bias_into_qkv(
     return pad_query_for_bias(query, key.shape[-1] - query.shape[-1], scaling), key, value
 
 
+def project_folded_qkv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, head_dim: int, width: int,
+    scaling: float,
+) -> torch.Tensor:
+    """The fused q/k/v projection emitting ``fold_bias_into_qkv``'s layout directly, so that q, k and v are not
+    copied once more to append channels: zero weight rows add ``width`` channels per head, the first of q's
+    being the constant 1/scaling through the projection bias. The caller writes the key bias and the value state
+    into their channels in place.
+
+    Args:
+        x: (B, T, C); weight: (3·H·D, C) and bias: (3·H·D,) or ``None``, rows ordered (q/k/v, head, channel).
+
+    Returns:
+        (B, T, 3, H, D + width), the extra key and value channels zero.
+    """
+    rows = weight.view(3, num_heads, head_dim, -1)
+    padded_weight = F.pad(rows, (0, 0, 0, width)).view(-1, rows.shape[-1])
+    extra = rows.new_zeros(3, num_heads, width)
+    extra[0, :, 0] = 1.0 / scaling
+    stock_bias = rows.new_zeros(3, num_heads, head_dim) if bias is None else bias.view(3, num_heads, head_dim)
+    padded_bias = torch.cat([stock_bias, extra], dim=-1).view(-1)
+    return F.linear(x, padded_weight, padded_bias).view(*x.shape[:2], 3, num_heads, head_dim + width)
+
+
+def project_folded_output(attn_output: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The output projection applied to folded attention outputs (B, T, H, D + P) without first cutting off the
+    P extra channels (a copy): zero weight columns ignore them. ``weight``: (C_out, H·D)."""
+    num_heads, width = attn_output.shape[-2], attn_output.shape[-1]
+    columns = weight.view(weight.shape[0], num_heads, -1)
+    padded_weight = F.pad(columns, (0, width - columns.shape[-1])).view(weight.shape[0], -1)
+    return F.linear(attn_output.reshape(*attn_output.shape[:-2], -1), padded_weight, bias)
+
+
 def cached_gate_state(cache, layer_idx: int, head_dim: int) -> torch.Tensor | None:
     """The per-key gate state a layer's KV cache holds after the first ``head_dim`` value channels, or ``None``."""
     if cache is None or layer_idx >= len(cache.layers):

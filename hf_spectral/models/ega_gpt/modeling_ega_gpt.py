@@ -29,7 +29,15 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ega_gpt import EGAConfig
-from .energy_gate import EnergyGate, MorletEnergy, cached_gate_state, fold_bias_into_qkv, replace_folded_bias
+from .energy_gate import (
+    EnergyGate,
+    MorletEnergy,
+    cached_gate_state,
+    fold_bias_into_qkv,
+    project_folded_output,
+    project_folded_qkv,
+    replace_folded_bias,
+)
 from .sequence_pooling import SequencePooling
 
 
@@ -124,24 +132,39 @@ class EGAAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length, _ = hidden_states.shape
-        shape = (batch, length, self.num_heads, self.head_dim)
-        query, key, value = (
-            t.view(shape).transpose(1, 2) for t in self.c_attn(hidden_states).split(self.config.hidden_size, dim=2)
-        )
-
+        head_dim = self.head_dim
+        # Many positions at once (training, prefill): the projections read and write the folded layout directly,
+        # saving two copies of q/k/v and outputs; one decoding step: folding is cheaper than padding the weights.
+        fused_folding = self.energy_gate is not None and length > 1
         rebias_all_keys = False
         if self.energy_gate is not None:
-            past_state = cached_gate_state(cache, self.layer_idx, self.head_dim)
-            bias, _, state = self.energy_gate(
+            past_state = cached_gate_state(cache, self.layer_idx, head_dim)
+            all_bias, _, state = self.energy_gate(
                 hidden_states, valid=token_mask, past_aux=past_state, return_aux=cache is not None
             )
             # With window statistics and a past, every cached key's bias changes with the window.
-            rebias_all_keys = bias.shape[-1] != length
-            query, key, value = fold_bias_into_qkv(query, key, value, bias[..., -length:], self.scaling, state)
+            rebias_all_keys = all_bias.shape[-1] != length
+            bias = all_bias[..., -length:]
+        if fused_folding:
+            width = 1 if state is None else max(1, state.shape[-1])
+            qkv = project_folded_qkv(
+                hidden_states, self.c_attn.weight, self.c_attn.bias, self.num_heads, head_dim, width, self.scaling
+            )
+            qkv[:, :, 1, :, head_dim] = bias.transpose(1, 2)
+            if state is not None:
+                qkv[:, :, 2, :, head_dim:] = state.transpose(1, 2)
+            query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            shape = (batch, length, self.num_heads, head_dim)
+            query, key, value = (
+                t.view(shape).transpose(1, 2) for t in self.c_attn(hidden_states).split(self.config.hidden_size, dim=2)
+            )
+            if self.energy_gate is not None:
+                query, key, value = fold_bias_into_qkv(query, key, value, bias, self.scaling, state)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         if rebias_all_keys:
-            key = replace_folded_bias(key, bias, self.head_dim)
+            key = replace_folded_bias(key, all_bias, head_dim)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -156,8 +179,11 @@ class EGAAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        attn_output = attn_output[..., : self.head_dim].reshape(batch, length, -1)
-        return self.resid_dropout(self.c_proj(attn_output)), attn_weights
+        if fused_folding:
+            attn_output = project_folded_output(attn_output, self.c_proj.weight, self.c_proj.bias)
+        else:
+            attn_output = self.c_proj(attn_output[..., :head_dim].reshape(batch, length, -1))
+        return self.resid_dropout(attn_output), attn_weights
 
 
 class EGABlock(GradientCheckpointingLayer):
