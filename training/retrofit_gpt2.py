@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from . import ptb_char, tinyshakespeare
-from .common.callbacks import read_gate_trajectory
 from .common.data import TextCorpus, build_lm_data, encode_text, fixed_subset, load_corpus_texts, word_tokenizer
 from .common.lm_experiment import tau_summary
 from .common.presets import LMPreset, world_size
@@ -360,7 +359,11 @@ def finetune_arm(arm, seed, pretrained_dir, args, preset, data, tokenizer, runs)
         summary.update(command=current_command(), hardware=hardware_summary(), preset=preset.to_dict(),
                        log_history=trainer.state.log_history)
         if not args.no_plots and gates:
-            write_gate_plots(run_dir, arm, model, data["finetune"], tokenizer)
+            from .common.plots import write_gate_figures
+
+            write_gate_figures(run_dir, model, data["finetune"].datasets["validation"], tokenizer,
+                               f"retrofit arm {arm}: gate values on fine-tuning validation text (rows: layer, head)",
+                               f"retrofit arm {arm}: τ and α during fine-tuning")
     if args.push_to_hub:
         trainer.push_to_hub(commit_message=f"{run_name}: end of training")
     else:
@@ -370,19 +373,6 @@ def finetune_arm(arm, seed, pretrained_dir, args, preset, data, tokenizer, runs)
         write_json(os.path.join(run_dir, "summary.json"), summary)
     barrier()
     return summary
-
-
-def write_gate_plots(run_dir, arm, model, data, tokenizer):
-    from .common.plots import gate_values_per_token, plot_gate_heatmap, plot_gate_trajectories
-
-    sample = torch.as_tensor(data.datasets["validation"][0]["input_ids"][:96], dtype=torch.long)
-    gates = gate_values_per_token(model, sample)
-    plot_gate_heatmap(gates, tokenizer.convert_ids_to_tokens(sample.tolist()), os.path.join(run_dir, "gate_heatmap.png"),
-                      f"retrofit arm {arm}: gate values on fine-tuning validation text (rows: layer, head)")
-    records = read_gate_trajectory(os.path.join(run_dir, "gate_trajectory.jsonl"))
-    if records:
-        plot_gate_trajectories(records, os.path.join(run_dir, "gate_trajectories.png"),
-                               f"retrofit arm {arm}: τ and α during fine-tuning")
 
 
 def write_arm_card(directory, arm, seed, preset, args, summary, gate_config, repo_id):

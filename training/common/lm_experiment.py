@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..results import current_command, hardware_summary, write_results
-from .callbacks import gate_parameters, read_gate_trajectory
+from .callbacks import gate_parameters
 from .data import LMData, fixed_subset
 from .presets import LMPreset, world_size
 from .runs import (
@@ -346,21 +346,14 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
 
 
 def write_run_plots(run_dir, spec, model, data, log_history, benchmark):
-    from .plots import gate_values_per_token, plot_gate_heatmap, plot_gate_trajectories, plot_learning_curves
+    from .plots import plot_learning_curves, write_gate_figures
 
     plot_learning_curves({spec.label: log_history}, os.path.join(run_dir, "learning_curve.png"),
                          f"{benchmark.title}: {spec.label}, seed {spec.seed}")
-    if not spec.gated:
-        return
-    sample = torch.as_tensor(data.datasets["validation"][0]["input_ids"][:96], dtype=torch.long)
-    gates = gate_values_per_token(model, sample)
-    tokens = data.tokenizer.convert_ids_to_tokens(sample.tolist())
-    plot_gate_heatmap(gates, tokens, os.path.join(run_dir, "gate_heatmap.png"),
-                      f"{benchmark.title}: gate values of {spec.label} on validation text (rows: layer, head)")
-    records = read_gate_trajectory(os.path.join(run_dir, "gate_trajectory.jsonl"))
-    if records:
-        plot_gate_trajectories(records, os.path.join(run_dir, "gate_trajectories.png"),
-                               f"{benchmark.title}: τ and α of {spec.label} during training")
+    if spec.gated:
+        write_gate_figures(run_dir, model, data.datasets["validation"], data.tokenizer,
+                           f"{benchmark.title}: gate values of {spec.label} on validation text (rows: layer, head)",
+                           f"{benchmark.title}: τ and α of {spec.label} during training")
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -111,6 +111,20 @@ def plot_gate_trajectories(records: list, path: str, title: str) -> str:
     return _save(fig, path)
 
 
+def write_gate_figures(run_dir: str, model, dataset, tokenizer, heatmap_title: str, trajectory_title: str):
+    """``gate_heatmap.png`` (gate values on the first 96 tokens of ``dataset``) and, when the run recorded them,
+    ``gate_trajectories.png`` (from ``gate_trajectory.jsonl``) in ``run_dir``."""
+    from .callbacks import read_gate_trajectory
+
+    sample = torch.as_tensor(dataset[0]["input_ids"][:96], dtype=torch.long)
+    tokens = tokenizer.convert_ids_to_tokens(sample.tolist())
+    plot_gate_heatmap(gate_values_per_token(model, sample), tokens, os.path.join(run_dir, "gate_heatmap.png"),
+                      heatmap_title)
+    records = read_gate_trajectory(os.path.join(run_dir, "gate_trajectory.jsonl"))
+    if records:
+        plot_gate_trajectories(records, os.path.join(run_dir, "gate_trajectories.png"), trajectory_title)
+
+
 def _save(fig, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.tight_layout()
