@@ -8,7 +8,9 @@ import pywt
 import torch
 
 from hf_spectral.models.ega_gpt.energy_gate import (
+    DerivedTensors,
     EnergyGate,
+    caching_derived_tensors,
     causal_filter,
     daubechies_kernels,
     fold_bias_into_qkv,
@@ -16,8 +18,8 @@ from hf_spectral.models.ega_gpt.energy_gate import (
     morlet_kernels,
     normalize_energy,
     causal_zscore,
-    project_folded_output,
-    project_folded_qkv,
+    folded_output_weight,
+    folded_qkv_weights,
 )
 
 
@@ -143,7 +145,14 @@ def test_projections_in_the_folded_layout_equal_folding_after_projecting(width, 
     q, k, v = (t.view(batch, length, heads, dim).transpose(1, 2) for t in c_attn(x).split(hidden, dim=2))
     expected = fold_bias_into_qkv(q, k, v, bias, scaling, aux)
 
-    qkv = project_folded_qkv(x, c_attn.weight, c_attn.bias, heads, dim, width, scaling)
+    energy = torch.nn.Linear(hidden, heads * 2, bias=with_bias, dtype=torch.float64)
+    weight, padded_bias = folded_qkv_weights(
+        c_attn.weight, c_attn.bias, heads, dim, width, scaling, energy.weight, energy.bias
+    )
+    projected = torch.nn.functional.linear(x, weight, padded_bias)
+    columns = 3 * heads * (dim + width)
+    torch.testing.assert_close(projected[..., columns:], energy(x))  # the appended rows compute the energies
+    qkv = projected[..., :columns].view(batch, length, 3, heads, dim + width)
     qkv[:, :, 1, :, dim] = bias.transpose(1, 2)
     if aux is not None:
         qkv[:, :, 2, :, dim:] = aux.transpose(1, 2)
@@ -151,8 +160,35 @@ def test_projections_in_the_folded_layout_equal_folding_after_projecting(width, 
         torch.testing.assert_close(got, want)
 
     out = torch.randn(batch, length, heads, dim + width, generator=generator, dtype=torch.float64)
-    torch.testing.assert_close(project_folded_output(out, c_proj.weight, c_proj.bias),
-                               c_proj(out[..., :dim].reshape(batch, length, hidden)))
+    torch.testing.assert_close(
+        torch.nn.functional.linear(out.reshape(batch, length, -1), folded_output_weight(c_proj.weight, heads, width),
+                                   c_proj.bias),
+        c_proj(out[..., :dim].reshape(batch, length, hidden)),
+    )
+
+
+def test_derived_tensors_are_kept_only_inside_the_caching_block_and_follow_their_sources():
+    weight = torch.nn.Parameter(torch.randn(3, 2))
+    derived, builds = DerivedTensors(), []
+
+    def build():
+        builds.append(1)
+        return weight * 2
+
+    with torch.no_grad():
+        assert derived.get(build, "key", weight) is not derived.get(build, "key", weight)  # outside: never kept
+        assert len(builds) == 2
+        with caching_derived_tensors():
+            first = derived.get(build, "key", weight)
+            assert derived.get(build, "key", weight) is first and len(builds) == 3
+            assert derived.get(build, "other key", weight) is not first and len(builds) == 4
+            weight.add_(1.0)  # an in-place update: the version counter moves
+            torch.testing.assert_close(derived.get(build, "other key", weight), weight * 2)
+            weight.data = torch.zeros(3, 2)  # replaced storage (e.g. .to() / .half())
+            assert torch.all(derived.get(build, "other key", weight) == 0) and len(builds) == 6
+            with torch.enable_grad():  # autograd on: derived again, differentiable
+                assert derived.get(build, "other key", weight).requires_grad and len(builds) == 7
+        assert derived.derived is None  # dropped on leaving the block
 
 
 def test_causal_filter_matches_direct_convolution():

@@ -14,6 +14,8 @@ Shapes: B batch, H gate heads, S energy scales, T positions, C hidden size, D he
 """
 
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +56,8 @@ def causal_zscore(
     Args:
         energy: (B, H, S, T) raw energies of new positions.
         valid: (B, T) bool, False at padding, or ``None``.
-        past: ``(count (B,), mean (B, H, S, 1), m2 (B, H, S, 1))`` of all earlier positions (a decoding step),
-            or ``None`` at the start of a sequence.
+        past: ``(count, mean (B, H, S, 1), m2 (B, H, S, 1))`` of all earlier positions (a decoding step), count
+            a (B,) tensor or, without padding, an int; ``None`` at the start of a sequence.
         eps: lower bound on the standard deviation.
 
     Returns:
@@ -63,6 +65,8 @@ def causal_zscore(
         the state a later step continues from.
     """
     e = _float32(energy)
+    if past is not None and e.shape[-1] == 1 and valid is None and isinstance(past[0], int):
+        return causal_zscore_step(e, past[0], past[1], past[2], eps)
     weight = _as_weight(valid, e)
     if past is not None and e.shape[-1] == 1:  # one decoding step: Welford's update, no running sums
         count = past[0].view(-1, 1, 1, 1) + weight
@@ -77,7 +81,8 @@ def causal_zscore(
         shift = e.gather(-1, weight.expand_as(e).argmax(-1, keepdim=True))
         count, m2 = weight.cumsum(-1), 0.0
     else:  # shifting by the running mean, the past adds only its count and M2 (Chan et al.'s merge)
-        past_count, shift, m2 = past[0].view(-1, 1, 1, 1), _float32(past[1]), _float32(past[2])
+        past_count = past[0] if isinstance(past[0], int) else past[0].view(-1, 1, 1, 1)
+        shift, m2 = _float32(past[1]), _float32(past[2])
         count = past_count + weight.cumsum(-1)
     x = (e - shift) * weight
     s1 = x.cumsum(-1)
@@ -86,6 +91,28 @@ def causal_zscore(
     std = (m2 / (count - 1).clamp(min=1)).clamp(min=eps * eps).sqrt()
     z = (x - s1 / safe_count) / std * ((count >= 2) & (weight > 0))
     return z, shift + s1 / safe_count, m2
+
+
+def causal_zscore_step(
+    energy: torch.Tensor, past_count: int, mean: torch.Tensor, m2: torch.Tensor, eps: float = 1e-5
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``causal_zscore`` for one new position after ``past_count`` ≥ 1 tokens and no padding: Welford's update in
+    seven element-wise ops, because a decoding step is bound by the number of ops, not by their size.
+
+    Args:
+        energy: (B, H, S, 1) float32; mean, m2: (B, H, S, 1) the running moments after the past tokens.
+
+    Returns:
+        z, mean, m2 of the new position, each (B, H, S, 1).
+    """
+    count = past_count + 1
+    delta = energy - mean
+    mean = torch.add(mean, delta, alpha=1.0 / count)
+    deviation = energy - mean
+    m2 = torch.addcmul(m2, delta, deviation)
+    # z = deviation / sqrt(max(m2 / (count - 1), eps²)), with the division moved out of the tensor ops
+    z = deviation * m2.clamp(min=eps * eps * (count - 1)).rsqrt_().mul_(math.sqrt(count - 1))
+    return z, mean, m2
 
 
 def normalize_energy(
@@ -122,29 +149,45 @@ def normalize_energy(
     raise ValueError(f"unknown energy normalisation {mode!r}; expected 'causal', 'window' or 'none'")
 
 
+def gate_constants(
+    tau: torch.Tensor, alpha: torch.Tensor, mix_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The per-head terms of the gate formula that do not depend on the energies, shaped to broadcast against
+    z (B, H, S, T) — or (B, H, T) with one scale: α, −ατ, log softmax(m) (``None`` with one scale) and the log
+    gate at the mean energy, log g(ẽ = 0), (H, 1)."""
+    alpha, tau = _float32(alpha), _float32(tau)
+    neg_alpha_tau = (alpha * tau).neg_()
+    if alpha.shape[-1] == 1:  # one scale: the mixture is the gate itself
+        return alpha, neg_alpha_tau, None, F.logsigmoid(neg_alpha_tau)
+    log_mix = torch.log_softmax(_float32(mix_logits), dim=-1)
+    log_gate_at_mean = torch.logsumexp(log_mix + F.logsigmoid(neg_alpha_tau), dim=-1, keepdim=True)
+    return alpha[..., None], neg_alpha_tau[..., None], log_mix[..., None], log_gate_at_mean
+
+
 def log_gate_bias(
-    z: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, mix_logits: torch.Tensor
+    z: torch.Tensor,
+    tau: torch.Tensor,
+    alpha: torch.Tensor,
+    mix_logits: torch.Tensor,
+    constants: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate values and their log as an attention-logit bias.
 
     Args:
         z: (B, H, S, T) normalised energies.
         tau, alpha, mix_logits: (H, S) thresholds, slopes and scale-mixing logits.
+        constants: ``gate_constants(tau, alpha, mix_logits)`` when the caller keeps them; computed when ``None``.
 
     Returns:
         bias: (B, H, T) float32, log g_j − log g(ẽ = 0). The subtracted per-head constant does not change the
             softmax, and makes the bias exactly 0 when α = 0, so that a fresh gate is an exact identity.
         gate: (B, H, T) the gate values g_j ∈ (0, 1).
     """
-    alpha, tau = _float32(alpha), _float32(tau)
-    if z.shape[-2] == 1:  # one scale: the mixture is the gate itself; (H, 1) parameters broadcast over (B, H, T)
-        log_gate = F.logsigmoid(alpha * (z.squeeze(2) - tau))
-        log_gate_at_mean = F.logsigmoid(-alpha * tau)
+    alpha, neg_alpha_tau, log_mix, log_gate_at_mean = constants or gate_constants(tau, alpha, mix_logits)
+    if log_mix is None:  # one scale; (H, 1) constants broadcast over (B, H, T)
+        log_gate = F.logsigmoid(torch.addcmul(neg_alpha_tau, alpha, z.squeeze(2)))  # α (z − τ)
     else:
-        alpha, tau = alpha[..., None], tau[..., None]
-        log_mix = torch.log_softmax(_float32(mix_logits), dim=-1)[..., None]
-        log_gate = torch.logsumexp(log_mix + F.logsigmoid(alpha * (z - tau)), dim=-2)
-        log_gate_at_mean = torch.logsumexp(log_mix + F.logsigmoid(-alpha * tau), dim=-2)
+        log_gate = torch.logsumexp(log_mix + F.logsigmoid(torch.addcmul(neg_alpha_tau, alpha, z)), dim=-2)
     return log_gate - log_gate_at_mean, log_gate.exp()
 
 
@@ -196,20 +239,28 @@ def fold_bias_into_qkv(
     return pad_query_for_bias(query, key.shape[-1] - query.shape[-1], scaling), key, value
 
 
-def project_folded_qkv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, head_dim: int, width: int,
+def folded_qkv_weights(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_heads: int,
+    head_dim: int,
+    width: int,
     scaling: float,
-) -> torch.Tensor:
-    """The fused q/k/v projection emitting ``fold_bias_into_qkv``'s layout directly, so that q, k and v are not
-    copied once more to append channels: zero weight rows add ``width`` channels per head, the first of q's
-    being the constant 1/scaling through the projection bias. The caller writes the key bias and the value state
-    into their channels in place.
+    extra_weight: torch.Tensor | None = None,
+    extra_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight and bias of a fused q/k/v projection that emits ``fold_bias_into_qkv``'s layout directly, so that
+    q, k and v are not copied once more to append channels: zero weight rows add ``width`` channels per head, the
+    first of q's being the constant 1/scaling through the bias. The caller writes the key bias and the value state
+    into their channels in place. ``extra_weight`` rows (E, C) (the linear energies) are appended after q/k/v, so
+    that the same product computes them.
 
     Args:
-        x: (B, T, C); weight: (3·H·D, C) and bias: (3·H·D,) or ``None``, rows ordered (q/k/v, head, channel).
+        weight: (3·H·D, C) and bias: (3·H·D,) or ``None``, rows ordered (q/k/v, head, channel).
 
     Returns:
-        (B, T, 3, H, D + width), the extra key and value channels zero.
+        weight (3·H·(D + width) + E, C) and bias: ``x @ weight.T + bias`` viewed as (…, 3, H, D + width) after
+        its first 3·H·(D + width) columns, the extra key and value channels zero.
     """
     rows = weight.view(3, num_heads, head_dim, -1)
     padded_weight = F.pad(rows, (0, 0, 0, width)).view(-1, rows.shape[-1])
@@ -217,16 +268,65 @@ def project_folded_qkv(
     extra[0, :, 0] = 1.0 / scaling
     stock_bias = rows.new_zeros(3, num_heads, head_dim) if bias is None else bias.view(3, num_heads, head_dim)
     padded_bias = torch.cat([stock_bias, extra], dim=-1).view(-1)
-    return F.linear(x, padded_weight, padded_bias).view(*x.shape[:2], 3, num_heads, head_dim + width)
+    if extra_weight is not None:
+        padded_weight = torch.cat([padded_weight, extra_weight])
+        padded_bias = torch.cat([padded_bias, extra_weight.new_zeros(len(extra_weight)) if extra_bias is None else extra_bias])
+    return padded_weight, padded_bias
 
 
-def project_folded_output(attn_output: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The output projection applied to folded attention outputs (B, T, H, D + P) without first cutting off the
-    P extra channels (a copy): zero weight columns ignore them. ``weight``: (C_out, H·D)."""
-    num_heads, width = attn_output.shape[-2], attn_output.shape[-1]
+def folded_output_weight(weight: torch.Tensor, num_heads: int, width: int) -> torch.Tensor:
+    """The output projection's weight (C_out, H·D) with ``width`` zero columns after each head, so that it reads
+    folded attention outputs (…, H, D + width) without first cutting off the extra channels (a copy)."""
     columns = weight.view(weight.shape[0], num_heads, -1)
-    padded_weight = F.pad(columns, (0, width - columns.shape[-1])).view(weight.shape[0], -1)
-    return F.linear(attn_output.reshape(*attn_output.shape[:-2], -1), padded_weight, bias)
+    return F.pad(columns, (0, width)).view(weight.shape[0], -1)
+
+
+_filled_caches: ContextVar[list | None] = ContextVar("hf_spectral_filled_caches", default=None)
+
+
+@contextmanager
+def caching_derived_tensors():
+    """Let every ``DerivedTensors`` keep what it derives for the duration of the block (``generate()`` runs in one),
+    then drop it all on exit.
+
+    The weights cannot change unseen within one generation; between calls they may, by any route — including
+    in-place updates through ``.data`` (PEFT's merge, old init code), which no version counter records — so nothing
+    derived outlives the block.
+    """
+    filled = []
+    token = _filled_caches.set(filled)
+    try:
+        yield
+    finally:
+        _filled_caches.reset(token)
+        for cache in filled:
+            cache.clear()
+
+
+class DerivedTensors:
+    """Tensors derived from parameters (folded projection weights, gate constants): derived again on every call,
+    except inside ``caching_derived_tensors()`` without autograd, where they are kept between calls — a decoding step
+    cannot afford to copy the weights. Inside the block a kept value is still rebuilt when a source's storage,
+    version counter (bumped by in-place updates), dtype or device changes; holding the sources keeps their storage
+    alive, so that a new tensor cannot reuse a stale address.
+    """
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.sources, self.versions, self.derived = (), (), None
+
+    def get(self, build, key, *sources: torch.Tensor | None):
+        filled = _filled_caches.get()
+        if filled is None or torch.is_grad_enabled() or any(t is not None and t.is_inference() for t in sources):
+            return build()  # differentiable, outside a generation, or no version counter to check
+        versions = (key,) + tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
+        if versions != self.versions:
+            self.derived = build()
+            self.sources, self.versions = tuple(None if t is None else t.detach() for t in sources), versions
+            filled.append(self)
+        return self.derived
 
 
 def cached_gate_state(cache, layer_idx: int, head_dim: int) -> torch.Tensor | None:
@@ -309,8 +409,12 @@ class LinearEnergy(nn.Module):
         self.proj = nn.Linear(hidden_size, num_heads * projections)
 
     def forward(self, x, past_features=None):
-        batch, length, _ = x.shape
-        return self.proj(x).view(batch, length, self.num_heads, self.num_scales).permute(0, 2, 3, 1)
+        return self.arrange(self.proj(x))
+
+    def arrange(self, projected):
+        """(B, T, H·S) outputs of ``proj`` (also when a caller fused ``proj`` into its own product) -> (B, H, S, T)."""
+        batch, length, _ = projected.shape
+        return projected.view(batch, length, self.num_heads, self.num_scales).permute(0, 2, 3, 1)
 
     def features(self, x):
         return None
@@ -467,6 +571,7 @@ class EnergyGate(nn.Module):
         self.tau = nn.Parameter(torch.full(shape, float(tau_init)))
         self.alpha = nn.Parameter(torch.full(shape, float(alpha_init)))
         self.mix_logits = nn.Parameter(torch.zeros(shape))
+        self._constants = DerivedTensors()  # gate_constants, kept between calls while no gradient is recorded
 
     @property
     def num_scales(self) -> int:
@@ -489,6 +594,7 @@ class EnergyGate(nn.Module):
         valid: torch.Tensor | None = None,
         past_aux: torch.Tensor | None = None,
         return_aux: bool = False,
+        energy: torch.Tensor | None = None,
     ):
         """Gate the keys of ``x``.
 
@@ -497,6 +603,8 @@ class EnergyGate(nn.Module):
             valid: (B, T_past + T) bool, False at padding, or ``None``.
             past_aux: (B, H, T_past, aux_width) what earlier calls returned as ``aux`` (from the KV cache).
             return_aux: also return the per-key state of the new positions for the cache.
+            energy: (B, H, S, T) raw energies of ``x`` when the caller computed them (a linear energy fused into
+                the attention's own projection); computed here when ``None``.
 
         Returns:
             bias: (B, H, T) float32; with ``window`` normalisation and a past, (B, H, T_past + T), because
@@ -517,9 +625,12 @@ class EnergyGate(nn.Module):
                 x = x * valid[:, -length:, None].to(x.dtype)
         past_state = past_features = None
         if past_length:
-            past_state, past_features = past_aux[..., :width], past_aux[..., width:]
+            past_state = past_aux[..., :width]
+            if self.energy.feature_width:
+                past_features = past_aux[..., width:]
         # Round to the activation dtype, as the cached copy will be, so cached and uncached paths agree.
-        energy = self.energy(x, past_features)
+        if energy is None:
+            energy = self.energy(x, past_features)
         if energy.dtype != x.dtype:
             energy = energy.to(x.dtype)
         new_valid = valid if valid is None or valid.shape[-1] == length else valid[:, -length:]
@@ -528,10 +639,7 @@ class EnergyGate(nn.Module):
         if self.normalization == "causal":
             past = None
             if past_length:
-                past_count = (
-                    x.new_full((x.shape[0],), past_length, dtype=torch.float32) if valid is None
-                    else valid[:, :past_length].sum(-1, dtype=torch.float32)
-                )
+                past_count = past_length if valid is None else valid[:, :past_length].sum(-1, dtype=torch.float32)
                 last = past_state[:, :, -1:, :].transpose(2, 3)  # (B, H, 2S, 1): mean and M2 at the last key
                 past = (past_count, last[:, :, :num_scales], last[:, :, num_scales:])
             z, mean, m2 = causal_zscore(energy, new_valid, past, self.eps)
@@ -542,8 +650,12 @@ class EnergyGate(nn.Module):
             state = energy.transpose(2, 3)
         else:
             z = normalize_energy(energy, new_valid, "none", self.eps)
-        bias, gate = log_gate_bias(z, self.tau, self.alpha, self.mix_logits)
-        gate = gate[..., -length:]
+        constants = self._constants.get(
+            lambda: gate_constants(self.tau, self.alpha, self.mix_logits), None, self.tau, self.alpha, self.mix_logits
+        )
+        bias, gate = log_gate_bias(z, self.tau, self.alpha, self.mix_logits, constants)
+        if gate.shape[-1] != length:
+            gate = gate[..., -length:]
         aux = None
         if return_aux:
             parts = [] if state is None else [state]

@@ -30,12 +30,15 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ega_gpt import EGAConfig
 from .energy_gate import (
+    DerivedTensors,
     EnergyGate,
+    LinearEnergy,
     MorletEnergy,
     cached_gate_state,
+    caching_derived_tensors,
     fold_bias_into_qkv,
-    project_folded_output,
-    project_folded_qkv,
+    folded_output_weight,
+    folded_qkv_weights,
     replace_folded_bias,
 )
 from .sequence_pooling import SequencePooling
@@ -109,6 +112,7 @@ class EGAAttention(nn.Module):
         self.c_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
         self.energy_gate = None
+        self._derived_weights = DerivedTensors()
         if layer_idx in config.gated_layers:
             self.energy_gate = EnergyGate(
                 config.hidden_size,
@@ -131,45 +135,81 @@ class EGAAttention(nn.Module):
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch, length, _ = hidden_states.shape
-        head_dim = self.head_dim
-        # Many positions at once (training, prefill): the projections read and write the folded layout directly,
-        # saving two copies of q/k/v and outputs; one decoding step: folding is cheaper than padding the weights.
-        fused_folding = self.energy_gate is not None and length > 1
-        rebias_all_keys = False
         if self.energy_gate is not None:
-            past_state = cached_gate_state(cache, self.layer_idx, head_dim)
-            all_bias, _, state = self.energy_gate(
-                hidden_states, valid=token_mask, past_aux=past_state, return_aux=cache is not None
-            )
-            # With window statistics and a past, every cached key's bias changes with the window.
-            rebias_all_keys = all_bias.shape[-1] != length
-            bias = all_bias[..., -length:]
-        if fused_folding:
-            width = 1 if state is None else max(1, state.shape[-1])
-            qkv = project_folded_qkv(
-                hidden_states, self.c_attn.weight, self.c_attn.bias, self.num_heads, head_dim, width, self.scaling
-            )
-            qkv[:, :, 1, :, head_dim] = bias.transpose(1, 2)
+            return self._gated_forward(hidden_states, attention_mask, token_mask, cache, **kwargs)
+        query, key, value = self._project(hidden_states)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        attn_output, attn_weights = self._attend(query, key, value, attention_mask, **kwargs)
+        return self.resid_dropout(self.c_proj(attn_output.reshape(*hidden_states.shape[:2], -1))), attn_weights
+
+    def _project(self, hidden_states):
+        shape = (*hidden_states.shape[:2], self.num_heads, self.head_dim)
+        qkv = self.c_attn(hidden_states).split(self.config.hidden_size, dim=2)
+        return tuple(t.view(shape).transpose(1, 2) for t in qkv)
+
+    def _gated_forward(self, hidden_states, attention_mask, token_mask, cache, **kwargs):
+        batch, length, _ = hidden_states.shape
+        head_dim, gate = self.head_dim, self.energy_gate
+        width = max(1, gate.aux_width) if cache is not None else 1
+        fused = self._projections_fusable()
+        energy = None
+        if fused:
+            # One product projects q, k, v straight into the folded layout (fold_bias_into_qkv), plus the linear
+            # energies: no copies to append channels, and a decoding step stays a few ops.
+            qkv_weight, qkv_bias, out_weight = self._folded_weights(width)
+            projected = nn.functional.linear(hidden_states, qkv_weight, qkv_bias)
+            qkv_columns = 3 * self.num_heads * (head_dim + width)
+            # (narrow/select rather than indexing: a decoding step is short enough for Python's index parsing to show)
+            qkv = projected.narrow(-1, 0, qkv_columns).view(batch, length, 3, self.num_heads, head_dim + width)
+            if projected.shape[-1] > qkv_columns:
+                energy = gate.energy.arrange(projected.narrow(-1, qkv_columns, projected.shape[-1] - qkv_columns))
+                if torch.is_grad_enabled():  # qkv is written in place below; autograd must not see the energies move
+                    energy = energy.clone()
+        else:
+            query, key, value = self._project(hidden_states)
+        past_state = cached_gate_state(cache, self.layer_idx, head_dim)
+        all_bias, _, state = gate(
+            hidden_states, valid=token_mask, past_aux=past_state, return_aux=cache is not None, energy=energy
+        )
+        # With window statistics and a past, every cached key's bias changes with the window.
+        rebias_all_keys = all_bias.shape[-1] != length
+        bias = all_bias[..., -length:] if rebias_all_keys else all_bias
+        if fused:
+            qkv.select(2, 1).select(-1, head_dim).copy_(bias.transpose(1, 2))
             if state is not None:
-                qkv[:, :, 2, :, head_dim:] = state.transpose(1, 2)
+                qkv.select(2, 2).narrow(-1, head_dim, width).copy_(state.transpose(1, 2))
             query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         else:
-            shape = (batch, length, self.num_heads, head_dim)
-            query, key, value = (
-                t.view(shape).transpose(1, 2) for t in self.c_attn(hidden_states).split(self.config.hidden_size, dim=2)
-            )
-            if self.energy_gate is not None:
-                query, key, value = fold_bias_into_qkv(query, key, value, bias, self.scaling, state)
+            query, key, value = fold_bias_into_qkv(query, key, value, bias, self.scaling, state)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         if rebias_all_keys:
             key = replace_folded_bias(key, all_bias, head_dim)
+        attn_output, attn_weights = self._attend(query, key, value, attention_mask, **kwargs)
+        if fused:
+            attn_output = nn.functional.linear(attn_output.reshape(batch, length, -1), out_weight, self.c_proj.bias)
+        else:
+            attn_output = self.c_proj(attn_output[..., :head_dim].reshape(batch, length, -1))
+        return self.resid_dropout(attn_output), attn_weights
 
+    def _projections_fusable(self) -> bool:
+        """Whether the projections are plain ``nn.Linear`` modules that compute nothing beyond their weights, so
+        that their weights can be folded. Adapters (PEFT's LoRA), quantised layers, offloading or other hooks keep
+        their own forward, and the layer then calls them and folds by concatenation."""
+        modules = [self.c_attn, self.c_proj]
+        if isinstance(self.energy_gate.energy, LinearEnergy):
+            modules.append(self.energy_gate.energy.proj)
+        return all(
+            type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
+            for m in modules
+        )
+
+    def _attend(self, query, key, value, attention_mask, **kwargs):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        attn_output, attn_weights = attention_interface(
+        return attention_interface(
             self,
             query,
             key,
@@ -179,11 +219,24 @@ class EGAAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        if fused_folding:
-            attn_output = project_folded_output(attn_output, self.c_proj.weight, self.c_proj.bias)
-        else:
-            attn_output = self.c_proj(attn_output[..., :head_dim].reshape(batch, length, -1))
-        return self.resid_dropout(attn_output), attn_weights
+
+    def _folded_weights(self, width: int):
+        """The q/k/v (+ linear energy) and output projection weights for the folded layout; cached while no
+        gradient is recorded (``DerivedTensors``)."""
+        energy = self.energy_gate.energy
+        energy_proj = energy.proj if isinstance(energy, LinearEnergy) else None
+        energy_weight, energy_bias = (None, None) if energy_proj is None else (energy_proj.weight, energy_proj.bias)
+
+        def build():
+            qkv_weight, qkv_bias = folded_qkv_weights(
+                self.c_attn.weight, self.c_attn.bias, self.num_heads, self.head_dim, width, self.scaling,
+                energy_weight, energy_bias,
+            )
+            return qkv_weight, qkv_bias, folded_output_weight(self.c_proj.weight, self.num_heads, width)
+
+        return self._derived_weights.get(
+            build, width, self.c_attn.weight, self.c_attn.bias, self.c_proj.weight, energy_weight, energy_bias
+        )
 
 
 class EGABlock(GradientCheckpointingLayer):
@@ -278,7 +331,8 @@ class EGAModel(EGAPreTrainedModel):
                     f"attention_mask has {attention_mask.shape[1]} positions, expected {past_length + length} "
                     f"({past_length} cached + {length} new)"
                 )
-            token_mask = attention_mask.bool()
+            # An all-ones mask means "no padding": dropping it lets the gates take their cheaper unpadded paths.
+            token_mask = None if bool(attention_mask.all()) else attention_mask.bool()
         if position_ids is None:
             if token_mask is not None:  # count real tokens, so that left padding does not shift positions
                 position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
@@ -319,6 +373,11 @@ class EGAForCausalLM(EGAPreTrainedModel, GenerationMixin):
 
     def set_input_embeddings(self, value):
         self.model.wte = value
+
+    def generate(self, *args, **kwargs):
+        # The weights stay fixed through one generation: keep the folded weights and gate constants between steps.
+        with caching_derived_tensors():
+            return super().generate(*args, **kwargs)
 
     @can_return_tuple
     def forward(

@@ -103,6 +103,83 @@ def test_cached_decoding_equals_the_uncached_forward(variant, normalization):
     assert_close_on_tokens(torch.cat(pieces, 1), full, mask)
 
 
+@pytest.mark.parametrize("mask_kind", ["all ones", "none"])
+@pytest.mark.parametrize("variant", ["EGA-1", "EGA-2", "EGA-C"])
+def test_unpadded_token_by_token_decoding_equals_the_uncached_forward(variant, mask_kind):
+    """Without padding a decoding step takes the gate's short path (Welford's update, no masks)."""
+    model = tiny_model(variant)
+    ids = padded_batch()[0][:, 5:]
+    mask = torch.ones_like(ids) if mask_kind == "all ones" else None
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        out = model(ids[:, :3], attention_mask=None if mask is None else mask[:, :3], use_cache=True)
+        pieces = [out.logits]
+        for stop in range(4, ids.shape[1] + 1):
+            out = model(ids[:, stop - 1 : stop], attention_mask=None if mask is None else mask[:, :stop],
+                        cache=out.cache, use_cache=True)
+            pieces.append(out.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
+
+
+def test_generation_keeps_up_with_weight_updates():
+    """generate() keeps the folded projection weights and gate constants between its steps; weights changed between
+    two calls — here through ``.data``, which no version counter sees (as PEFT's merge does) — must reach the next."""
+    model = tiny_model("EGA-1")
+    ids = padded_batch()[0][:, 5:]
+
+    def check_generated_logits_against_the_forward():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            full = model(out.sequences).logits
+        for step, logits in enumerate(out.logits):
+            torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
+        return out.sequences
+
+    before = check_generated_logits_against_the_forward()
+    for block in model.model.h:
+        block.attn.c_attn.weight.data += 0.2 * torch.randn_like(block.attn.c_attn.weight)
+        block.attn.energy_gate.alpha.data.mul_(-2.0)
+    after = check_generated_logits_against_the_forward()
+    assert not torch.equal(before, after)
+
+
+def test_projections_behind_hooks_are_called_not_folded():
+    """A hook on a projection (offloading, quantisation, …) makes the layer call the modules; the result is the
+    folded one, cached and uncached."""
+    model = tiny_model("EGA-1")
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        folded = model(ids, attention_mask=mask).logits
+        calls = []
+        for block in model.model.h:
+            block.attn.c_attn.register_forward_hook(lambda module, args, output: calls.append(1))
+        called = model(ids, attention_mask=mask).logits
+        out = model(ids[:, :10], attention_mask=mask[:, :10], use_cache=True)
+        step = model(ids[:, 10:11], attention_mask=mask[:, :11], cache=out.cache, use_cache=True).logits
+    assert len(calls) == 3 * len(model.model.h)
+    assert_close_on_tokens(called, folded, mask)
+    torch.testing.assert_close(step[:, 0], folded[:, 10], atol=1e-5, rtol=0)
+
+
+def test_lora_adapters_on_the_projections_take_effect():
+    """PEFT LoRA on the attention and energy projections: the adapted model equals its merged weights."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("EGA-1")
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask).logits
+    adapted = get_peft_model(model, LoraConfig(r=4, target_modules=["c_attn", "c_proj", "proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+        with_lora = adapted(input_ids=ids, attention_mask=mask).logits
+        merged = adapted.merge_and_unload()(ids, attention_mask=mask).logits
+    assert not torch.allclose(with_lora * mask[..., None], plain * mask[..., None], atol=1e-3)
+    assert_close_on_tokens(with_lora, merged, mask, atol=1e-5)
+
+
 def test_left_padding_does_not_change_a_sequence():
     model = tiny_model("EGA-C")
     ids, mask = padded_batch()
