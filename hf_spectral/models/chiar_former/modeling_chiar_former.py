@@ -657,6 +657,8 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> ChiarCausalLMOutputWithPast:
+        if labels is not None and use_cache is None:
+            use_cache = False  # a loss (training, evaluation) has no use for a KV cache, which would copy every key
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

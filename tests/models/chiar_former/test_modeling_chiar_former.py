@@ -418,3 +418,11 @@ def test_chunked_sparse_attention_equals_dense_on_long_sequences():
     assert attention_queries >= 192  # ≥ 3 chunks of 64 queries
     valid = mask.bool()
     torch.testing.assert_close(out_sparse.logits[valid], out_dense.logits[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_a_loss_builds_no_cache_unless_asked():
+    ids = random_ids(2, 12, seed=3)
+    model = build(ChiarForCausalLM, tiny_config(), calibrate_on=ids)
+    assert model(ids, labels=ids).cache is None
+    assert model(ids, labels=ids, use_cache=True).cache.get_seq_length() == 12
+    assert model(ids).cache.get_seq_length() == 12

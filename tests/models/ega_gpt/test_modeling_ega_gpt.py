@@ -180,6 +180,14 @@ def test_lora_adapters_on_the_projections_take_effect():
     assert_close_on_tokens(with_lora, merged, mask, atol=1e-5)
 
 
+def test_a_loss_builds_no_cache_unless_asked():
+    model = tiny_model("EGA-1")
+    ids = padded_batch()[0]
+    assert model(ids, labels=ids).cache is None
+    assert model(ids, labels=ids, use_cache=True).cache.get_seq_length() == ids.shape[1]
+    assert model(ids).cache.get_seq_length() == ids.shape[1]
+
+
 def test_left_padding_does_not_change_a_sequence():
     model = tiny_model("EGA-C")
     ids, mask = padded_batch()
