@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -246,15 +245,10 @@ def test_stop_after_steps_leaves_a_checkpoint_to_resume(tiny_shakespeare, tmp_pa
     assert _summary(tmp_path / "BASE-seed0")["resumed_from"] == "checkpoint-4"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_recipe_runs_under_torchrun_with_two_cpu_processes(tiny_shakespeare, tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "training.tinyshakespeare",
+    # --standalone: torchrun binds a free rendezvous port itself (picking one here first could race another run)
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "training.tinyshakespeare",
                "--smoke", "--variants", "EGA-1", "--threads", "1", "--no_plots", "--data_path", tiny_shakespeare,
                "--output_dir", str(tmp_path)]
     result = subprocess.run(command, cwd=REPO_ROOT, env=_environment(), capture_output=True, text=True, timeout=300)
