@@ -303,6 +303,11 @@ def caching_derived_tensors():
             cache.clear()
 
 
+def keeping_derived_tensors() -> bool:
+    """Whether ``DerivedTensors`` keep what they derive right now (inside ``caching_derived_tensors()``, no autograd)."""
+    return _filled_caches.get() is not None and not torch.is_grad_enabled()
+
+
 class DerivedTensors:
     """Tensors derived from parameters (folded projection weights, gate constants): derived again on every call,
     except inside ``caching_derived_tensors()`` without autograd, where they are kept between calls — a decoding step

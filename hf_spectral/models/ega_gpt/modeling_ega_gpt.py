@@ -39,6 +39,7 @@ from .energy_gate import (
     fold_bias_into_qkv,
     folded_output_weight,
     folded_qkv_weights,
+    keeping_derived_tensors,
     replace_folded_bias,
 )
 from .sequence_pooling import SequencePooling
@@ -152,7 +153,8 @@ class EGAAttention(nn.Module):
         batch, length, _ = hidden_states.shape
         head_dim, gate = self.head_dim, self.energy_gate
         width = max(1, gate.aux_width) if cache is not None else 1
-        fused = self._projections_fusable()
+        # Folding the weights costs a copy of them, which one decoding step cannot repay unless they are kept.
+        fused = self._projections_fusable() and (length > 1 or keeping_derived_tensors())
         energy = None
         if fused:
             # One product projects q, k, v straight into the folded layout (fold_bias_into_qkv), plus the linear
@@ -180,6 +182,8 @@ class EGAAttention(nn.Module):
             if state is not None:
                 qkv.select(2, 2).narrow(-1, head_dim, width).copy_(state.transpose(1, 2))
             query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            if length == 1:  # decoding: the cache concatenates contiguous keys/values faster (7% of a step at batch 32)
+                key, value = key.contiguous(), value.contiguous()
         else:
             query, key, value = fold_bias_into_qkv(query, key, value, bias, self.scaling, state)
         if cache is not None:
@@ -187,7 +191,7 @@ class EGAAttention(nn.Module):
         if rebias_all_keys:
             key = replace_folded_bias(key, all_bias, head_dim)
         attn_output, attn_weights = self._attend(query, key, value, attention_mask, **kwargs)
-        if fused:
+        if fused and length > 1:  # (for one position, cutting the extra channels off is cheaper than reading them)
             attn_output = nn.functional.linear(attn_output.reshape(batch, length, -1), out_weight, self.c_proj.bias)
         else:
             attn_output = self.c_proj(attn_output[..., :head_dim].reshape(batch, length, -1))

@@ -1,8 +1,11 @@
+import contextlib
+
 import pytest
 import torch
 
 from hf_spectral import EGAConfig, EGAForCausalLM, EGAForSequenceClassification, EGAModel
 from hf_spectral.evaluation import causal_lm_losses, leak_free_logits
+from hf_spectral.models.ega_gpt.energy_gate import caching_derived_tensors
 from tests.helpers import load_without_plugin, perturb_after
 
 VOCAB = 37
@@ -103,14 +106,16 @@ def test_cached_decoding_equals_the_uncached_forward(variant, normalization):
     assert_close_on_tokens(torch.cat(pieces, 1), full, mask)
 
 
+@pytest.mark.parametrize("keep_weights", [True, False])
 @pytest.mark.parametrize("mask_kind", ["all ones", "none"])
 @pytest.mark.parametrize("variant", ["EGA-1", "EGA-2", "EGA-C"])
-def test_unpadded_token_by_token_decoding_equals_the_uncached_forward(variant, mask_kind):
-    """Without padding a decoding step takes the gate's short path (Welford's update, no masks)."""
+def test_unpadded_token_by_token_decoding_equals_the_uncached_forward(variant, mask_kind, keep_weights):
+    """Without padding a decoding step takes the gate's short path (Welford's update, no masks); with the weights
+    kept (as in generate()) it projects into the folded layout, otherwise it folds by concatenation."""
     model = tiny_model(variant)
     ids = padded_batch()[0][:, 5:]
     mask = torch.ones_like(ids) if mask_kind == "all ones" else None
-    with torch.no_grad():
+    with torch.no_grad(), caching_derived_tensors() if keep_weights else contextlib.nullcontext():
         full = model(ids, attention_mask=mask).logits
         out = model(ids[:, :3], attention_mask=None if mask is None else mask[:, :3], use_cache=True)
         pieces = [out.logits]
