@@ -323,14 +323,13 @@ class DerivedTensors:
         self.sources, self.versions, self.derived = (), (), None
 
     def get(self, build, key, *sources: torch.Tensor | None):
-        filled = _filled_caches.get()
-        if filled is None or torch.is_grad_enabled() or any(t is not None and t.is_inference() for t in sources):
-            return build()  # differentiable, outside a generation, or no version counter to check
+        if not keeping_derived_tensors() or any(t is not None and t.is_inference() for t in sources):
+            return build()  # outside a generation, differentiable, or no version counter to check
         versions = (key,) + tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
         if versions != self.versions:
             self.derived = build()
             self.sources, self.versions = tuple(None if t is None else t.detach() for t in sources), versions
-            filled.append(self)
+            _filled_caches.get().append(self)
         return self.derived
 
 

@@ -159,7 +159,7 @@ class EGAAttention(nn.Module):
         if fused:
             # One product projects q, k, v straight into the folded layout (fold_bias_into_qkv), plus the linear
             # energies: no copies to append channels, and a decoding step stays a few ops.
-            qkv_weight, qkv_bias, out_weight = self._folded_weights(width)
+            qkv_weight, qkv_bias = self._folded_qkv_weights(width)
             projected = nn.functional.linear(hidden_states, qkv_weight, qkv_bias)
             qkv_columns = 3 * self.num_heads * (head_dim + width)
             # (narrow/select rather than indexing: a decoding step is short enough for Python's index parsing to show)
@@ -192,6 +192,7 @@ class EGAAttention(nn.Module):
             key = replace_folded_bias(key, all_bias, head_dim)
         attn_output, attn_weights = self._attend(query, key, value, attention_mask, **kwargs)
         if fused and length > 1:  # (for one position, cutting the extra channels off is cheaper than reading them)
+            out_weight = folded_output_weight(self.c_proj.weight, self.num_heads, width)
             attn_output = nn.functional.linear(attn_output.reshape(batch, length, -1), out_weight, self.c_proj.bias)
         else:
             attn_output = self.c_proj(attn_output[..., :head_dim].reshape(batch, length, -1))
@@ -224,23 +225,20 @@ class EGAAttention(nn.Module):
             **kwargs,
         )
 
-    def _folded_weights(self, width: int):
-        """The q/k/v (+ linear energy) and output projection weights for the folded layout; cached while no
-        gradient is recorded (``DerivedTensors``)."""
+    def _folded_qkv_weights(self, width: int):
+        """The q/k/v (+ linear energy) projection's weight and bias in the folded layout, kept between decoding
+        steps inside ``caching_derived_tensors()`` (``DerivedTensors``)."""
         energy = self.energy_gate.energy
         energy_proj = energy.proj if isinstance(energy, LinearEnergy) else None
         energy_weight, energy_bias = (None, None) if energy_proj is None else (energy_proj.weight, energy_proj.bias)
 
         def build():
-            qkv_weight, qkv_bias = folded_qkv_weights(
+            return folded_qkv_weights(
                 self.c_attn.weight, self.c_attn.bias, self.num_heads, self.head_dim, width, self.scaling,
                 energy_weight, energy_bias,
             )
-            return qkv_weight, qkv_bias, folded_output_weight(self.c_proj.weight, self.num_heads, width)
 
-        return self._derived_weights.get(
-            build, width, self.c_attn.weight, self.c_attn.bias, self.c_proj.weight, energy_weight, energy_bias
-        )
+        return self._derived_weights.get(build, width, self.c_attn.weight, self.c_attn.bias, energy_weight, energy_bias)
 
 
 class EGABlock(GradientCheckpointingLayer):
