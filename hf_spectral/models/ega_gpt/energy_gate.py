@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 try:  # only the Daubechies energies need PyWavelets
     import pywt
 except ImportError:  # pragma: no cover - exercised only where PyWavelets is missing
@@ -312,15 +313,17 @@ class DerivedTensors:
     """Tensors derived from parameters (folded projection weights, gate constants): derived again on every call,
     except inside ``caching_derived_tensors()`` without autograd, where they are kept between calls — a decoding step
     cannot afford to copy the weights. Inside the block a kept value is still rebuilt when a source's storage,
-    version counter (bumped by in-place updates), dtype or device changes; holding the sources keeps their storage
+    version counter (bumped by in-place updates), dtype or device changes; holding the sources' storage keeps it
     alive, so that a new tensor cannot reuse a stale address.
     """
+
+    MISSING = object()
 
     def __init__(self):
         self.clear()
 
     def clear(self):
-        self.sources, self.versions, self.derived = (), (), None
+        self.sources, self.source_versions, self.storages, self.versions, self.derived = [], [], (), (), None
 
     def get(self, build, key, *sources: torch.Tensor | None):
         if not keeping_derived_tensors() or any(t is not None and t.is_inference() for t in sources):
@@ -328,9 +331,22 @@ class DerivedTensors:
         versions = (key,) + tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
         if versions != self.versions:
             self.derived = build()
-            self.sources, self.versions = tuple(None if t is None else t.detach() for t in sources), versions
+            self.versions, self.storages = versions, tuple(None if t is None else t.detach() for t in sources)
+            self.sources = [t for t in sources if t is not None]
+            self.source_versions = [t._version for t in self.sources]
             _filled_caches.get().append(self)
         return self.derived
+
+    def kept(self, key):
+        """The value kept for ``key`` while no tensor it was derived from (those ``get`` was given) has been updated in
+        place since, else ``MISSING``: for a decoding step, which cannot afford ``get``'s full test of every source
+        per layer. Replacing a source's storage (``.data = …``) or rebinding a module attribute inside the block goes
+        unseen here; ``get`` sees both.
+        """
+        if self.versions and self.versions[0] == key and keeping_derived_tensors():
+            if [t._version for t in self.sources] == self.source_versions:
+                return self.derived
+        return self.MISSING
 
 
 def cached_gate_state(cache, layer_idx: int, head_dim: int) -> torch.Tensor | None:
@@ -592,6 +608,12 @@ class EnergyGate(nn.Module):
         """Per-key values the KV cache carries for this gate: normalisation state, then the energy's features."""
         return self.state_width + self.energy.feature_width
 
+    def constants(self) -> tuple:
+        """``gate_constants`` of this gate's parameters (kept between decoding steps, see ``DerivedTensors``)."""
+        return self._constants.get(
+            lambda: gate_constants(self.tau, self.alpha, self.mix_logits), None, self.tau, self.alpha, self.mix_logits
+        )
+
     def forward(
         self,
         x: torch.Tensor,
@@ -654,10 +676,7 @@ class EnergyGate(nn.Module):
             state = energy.transpose(2, 3)
         else:
             z = normalize_energy(energy, new_valid, "none", self.eps)
-        constants = self._constants.get(
-            lambda: gate_constants(self.tau, self.alpha, self.mix_logits), None, self.tau, self.alpha, self.mix_logits
-        )
-        bias, gate = log_gate_bias(z, self.tau, self.alpha, self.mix_logits, constants)
+        bias, gate = log_gate_bias(z, self.tau, self.alpha, self.mix_logits, self.constants())
         if gate.shape[-1] != length:
             gate = gate[..., -length:]
         aux = None

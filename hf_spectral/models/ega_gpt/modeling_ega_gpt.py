@@ -9,6 +9,7 @@ search, cache cropping and left padding then need nothing special.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -28,6 +29,12 @@ from transformers.utils import can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+try:  # what output_gate_values=True switches on; private, hence the fallback (every hooked gate is then called)
+    from transformers.utils.output_capturing import _active_collector as _active_output_collector
+except ImportError:  # pragma: no cover - depends on the transformers version
+    _active_output_collector = None
+
+from .compiled_gate_step import CausalGateStep, causal_gate_step_function
 from .configuration_ega_gpt import EGAConfig
 from .energy_gate import (
     DerivedTensors,
@@ -98,6 +105,33 @@ class EGAMLP(nn.Module):
         return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
 
 
+class CompiledDecodingPlan(NamedTuple):
+    """What an EGA layer's compiled decoding step keeps through a generation: the folded projections and the gate
+    step bound to the gate's constants (``EGAAttention.build_decoding_plan``)."""
+
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor
+    out_weight: torch.Tensor
+    out_bias: torch.Tensor | None
+    qkv_shape: tuple[int, int, int]
+    qkv_columns: int
+    gate_step: CausalGateStep
+
+
+def _gate_observed(gate: EnergyGate) -> bool:
+    """Whether something watches the gate module's calls, so that a decoding step must call it: hooks other than
+    transformers' output-capturing hook, or that hook while it records gate values."""
+    if gate._forward_pre_hooks:
+        return True
+    hooks = list(gate._forward_hooks.values())
+    if not hooks:
+        return False
+    if any(getattr(hook, "__name__", None) != "output_capturing_hook" for hook in hooks):
+        return True
+    collected = _active_output_collector.get() if _active_output_collector is not None else None
+    return _active_output_collector is None or (collected is not None and "gate_values" in collected)
+
+
 class EGAAttention(nn.Module):
     """Causal multi-head self-attention with an optional energy gate on the keys."""
 
@@ -134,9 +168,12 @@ class EGAAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        decoding_plan: CompiledDecodingPlan | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.energy_gate is not None:
+            if decoding_plan is not None and self._compiled_step_applies(decoding_plan, cache):
+                return self._compiled_decoding_step(hidden_states, attention_mask, cache, decoding_plan, **kwargs)
             return self._gated_forward(hidden_states, attention_mask, token_mask, cache, **kwargs)
         query, key, value = self._project(hidden_states)
         if cache is not None:
@@ -198,6 +235,75 @@ class EGAAttention(nn.Module):
             attn_output = self.c_proj(attn_output[..., :head_dim].reshape(batch, length, -1))
         return self.resid_dropout(attn_output), attn_weights
 
+    def decoding_plan_sources(self) -> list[torch.Tensor | None]:
+        """The parameters a ``CompiledDecodingPlan`` of this layer is derived from."""
+        gate = self.energy_gate
+        if gate is None:
+            return []
+        energy_proj = getattr(gate.energy, "proj", None)
+        return [
+            self.c_attn.weight, self.c_attn.bias, self.c_proj.weight, gate.tau, gate.alpha, gate.mix_logits,
+            None if energy_proj is None else energy_proj.weight, None if energy_proj is None else energy_proj.bias,
+        ]
+
+    def build_decoding_plan(self) -> CompiledDecodingPlan | None:
+        """The compiled decoding step's plan for this layer, or ``None`` where it does not apply: no gate, statistics
+        other than causal, energies other than linear, projections that must be called (``_projections_fusable``),
+        weights not float32 on CPU, or no C compiler (``compiled_gate_step``)."""
+        gate = self.energy_gate
+        if not (
+            gate is not None
+            and gate.normalization == "causal"
+            and isinstance(gate.energy, LinearEnergy)
+            and self._projections_fusable()
+            and self.c_attn.weight.dtype == torch.float32
+            and self.c_attn.weight.device.type == "cpu"
+        ):
+            return None
+        function = causal_gate_step_function()
+        if function is None:
+            return None
+        width = gate.aux_width
+        qkv_weight, qkv_bias = self._folded_qkv_weights(width)
+        return CompiledDecodingPlan(
+            qkv_weight, qkv_bias,
+            folded_output_weight(self.c_proj.weight, self.num_heads, width), self.c_proj.bias,
+            (3, self.num_heads, self.head_dim + width), 3 * self.num_heads * (self.head_dim + width),
+            CausalGateStep(function, gate.constants(), self.num_heads, self.head_dim, width, gate.eps),
+        )
+
+    def _compiled_step_applies(self, plan: CompiledDecodingPlan, cache) -> bool:
+        """The checks on a decoding step that can change from step to step: nothing watches the gate module
+        (``output_gate_values``, hooks) and the cache holds this layer's float32 values with the plan's width."""
+        gate = self.energy_gate
+        if (gate._forward_hooks or gate._forward_pre_hooks) and _gate_observed(gate):
+            return False
+        values = getattr(cache.layers[self.layer_idx], "values", None) if self.layer_idx < len(cache.layers) else None
+        return (
+            isinstance(values, torch.Tensor)
+            and values.dtype == torch.float32
+            and values.dim() == 4
+            and values.shape[2] > 0
+            and values.shape[3] == plan.qkv_shape[2]
+            and values.stride(3) == 1
+            and values.device.type == "cpu"
+        )
+
+    def _compiled_decoding_step(self, hidden_states, attention_mask, cache, plan, **kwargs):
+        """``_gated_forward`` for one new position without padding, the gate's arithmetic in one C call: the same
+        q/k/v layout and cache contents, so that this and the torch code can take turns from step to step."""
+        batch = hidden_states.shape[0]
+        projected = nn.functional.linear(hidden_states, plan.qkv_weight, plan.qkv_bias)
+        if projected.dtype != torch.float32:  # autocast: the C code reads and writes float32 only
+            return self._gated_forward(hidden_states, attention_mask, None, cache, **kwargs)
+        plan.gate_step(projected, cache.layers[self.layer_idx].values)
+        qkv = projected.narrow(-1, 0, plan.qkv_columns).view(batch, 1, *plan.qkv_shape)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        key, value = cache.update(key.contiguous(), value.contiguous(), self.layer_idx)
+        attn_output, attn_weights = self._attend(query, key, value, attention_mask, **kwargs)
+        attn_output = nn.functional.linear(attn_output.reshape(batch, 1, -1), plan.out_weight, plan.out_bias)
+        return self.resid_dropout(attn_output), attn_weights
+
     def _projections_fusable(self) -> bool:
         """Whether the projections are plain ``nn.Linear`` modules that compute nothing beyond their weights, so
         that their weights can be folded. Adapters (PEFT's LoRA), quantised layers, offloading or other hooks keep
@@ -249,9 +355,10 @@ class EGABlock(GradientCheckpointingLayer):
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = EGAMLP(config)
 
-    def forward(self, hidden_states, attention_mask=None, token_mask=None, cache=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, token_mask=None, cache=None, decoding_plan=None, **kwargs):
         attn_output, _ = self.attn(
-            self.ln_1(hidden_states), attention_mask=attention_mask, token_mask=token_mask, cache=cache, **kwargs
+            self.ln_1(hidden_states), attention_mask=attention_mask, token_mask=token_mask, cache=cache,
+            decoding_plan=decoding_plan, **kwargs,
         )
         hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self.ln_2(hidden_states))
@@ -297,6 +404,7 @@ class EGAModel(EGAPreTrainedModel):
         self.h = nn.ModuleList(EGABlock(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
         self.gradient_checkpointing = False
+        self._decoding_plans = DerivedTensors()
         self.post_init()
 
     def get_input_embeddings(self):
@@ -354,11 +462,25 @@ class EGAModel(EGAPreTrainedModel):
             position_ids=position_ids,
         )
         hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
-        for block in self.h:
+        plans = None
+        if length == 1 and past_length and token_mask is None and keeping_derived_tensors():
+            plans = self._compiled_decoding_plans()
+        for index, block in enumerate(self.h):
             hidden_states = block(
-                hidden_states, attention_mask=causal_mask, token_mask=token_mask, cache=cache, **kwargs
+                hidden_states, attention_mask=causal_mask, token_mask=token_mask, cache=cache,
+                decoding_plan=None if plans is None else plans[index], **kwargs,
             )
         return EGAModelOutputWithPast(last_hidden_state=self.ln_f(hidden_states), cache=cache)
+
+
+    def _compiled_decoding_plans(self) -> list:
+        """Per layer, the compiled decoding step's plan (or ``None``), kept through a generation and checked against
+        every layer's parameters once per step rather than once per layer (``DerivedTensors.kept``)."""
+        plans = self._decoding_plans.kept(None)
+        if plans is DerivedTensors.MISSING:
+            sources = [t for block in self.h for t in block.attn.decoding_plan_sources()]
+            plans = self._decoding_plans.get(lambda: [block.attn.build_decoding_plan() for block in self.h], None, *sources)
+        return plans
 
 
 class EGAForCausalLM(EGAPreTrainedModel, GenerationMixin):
