@@ -34,7 +34,7 @@ try:  # what output_gate_values=True switches on; private, hence the fallback (e
 except ImportError:  # pragma: no cover - depends on the transformers version
     _active_output_collector = None
 
-from .compiled_gate_step import CausalGateStep, causal_gate_step_function
+from .compiled_causal_gate import CompiledCausalGate, compiled_library
 from .configuration_ega_gpt import EGAConfig
 from .energy_gate import (
     DerivedTensors,
@@ -115,7 +115,7 @@ class CompiledDecodingPlan(NamedTuple):
     out_bias: torch.Tensor | None
     qkv_shape: tuple[int, int, int]
     qkv_columns: int
-    gate_step: CausalGateStep
+    gate: CompiledCausalGate
 
 
 def _gate_observed(gate: EnergyGate) -> bool:
@@ -208,21 +208,30 @@ class EGAAttention(nn.Module):
         else:
             query, key, value = self._project(hidden_states)
         past_state = cached_gate_state(cache, self.layer_idx, head_dim)
-        all_bias, _, state = gate(
-            hidden_states, valid=token_mask, past_aux=past_state, return_aux=cache is not None, energy=energy
-        )
-        # With window statistics and a past, every cached key's bias changes with the window.
-        rebias_all_keys = all_bias.shape[-1] != length
-        bias = all_bias[..., -length:] if rebias_all_keys else all_bias
-        if fused:
-            qkv.select(2, 1).select(-1, head_dim).copy_(bias.transpose(1, 2))
-            if state is not None:
-                qkv.select(2, 2).narrow(-1, head_dim, width).copy_(state.transpose(1, 2))
+        rebias_all_keys = False
+        compiled_gate = None
+        if fused and self._compiled_gate_applies(projected, energy, token_mask, past_state):
+            compiled_gate = self._compiled_gate(width)
+        if compiled_gate is not None:
+            # the whole gate in one C call, which writes the bias (and the cache's state) into qkv itself
+            compiled_gate.prefill(projected)
             query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            if length == 1:  # decoding: the cache concatenates contiguous keys/values faster (7% of a step at batch 32)
-                key, value = key.contiguous(), value.contiguous()
         else:
-            query, key, value = fold_bias_into_qkv(query, key, value, bias, self.scaling, state)
+            all_bias, _, state = gate(
+                hidden_states, valid=token_mask, past_aux=past_state, return_aux=cache is not None, energy=energy
+            )
+            # With window statistics and a past, every cached key's bias changes with the window.
+            rebias_all_keys = all_bias.shape[-1] != length
+            bias = all_bias[..., -length:] if rebias_all_keys else all_bias
+            if fused:
+                qkv.select(2, 1).select(-1, head_dim).copy_(bias.transpose(1, 2))
+                if state is not None:
+                    qkv.select(2, 2).narrow(-1, head_dim, width).copy_(state.transpose(1, 2))
+                query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+                if length == 1:  # decoding: the cache concatenates contiguous keys/values faster (7% of a step at B=32)
+                    key, value = key.contiguous(), value.contiguous()
+            else:
+                query, key, value = fold_bias_into_qkv(query, key, value, bias, self.scaling, state)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         if rebias_all_keys:
@@ -246,30 +255,53 @@ class EGAAttention(nn.Module):
             None if energy_proj is None else energy_proj.weight, None if energy_proj is None else energy_proj.bias,
         ]
 
-    def build_decoding_plan(self) -> CompiledDecodingPlan | None:
-        """The compiled decoding step's plan for this layer, or ``None`` where it does not apply: no gate, statistics
-        other than causal, energies other than linear, projections that must be called (``_projections_fusable``),
-        weights not float32 on CPU, or no C compiler (``compiled_gate_step``)."""
+    def _compiled_gate(self, width: int) -> CompiledCausalGate | None:
+        """The compiled causal gate (``compiled_causal_gate``) for this layer's fused projection with ``width`` extra
+        channels per head, or ``None`` where it does not apply: statistics other than causal, energies other than
+        linear (the C code reads them from the fused projection), projections that must be called
+        (``_projections_fusable``), weights not float32 on CPU, or no C compiler."""
         gate = self.energy_gate
         if not (
-            gate is not None
-            and gate.normalization == "causal"
+            gate.normalization == "causal"
             and isinstance(gate.energy, LinearEnergy)
             and self._projections_fusable()
             and self.c_attn.weight.dtype == torch.float32
             and self.c_attn.weight.device.type == "cpu"
         ):
             return None
-        function = causal_gate_step_function()
-        if function is None:
+        library = compiled_library()
+        if library is None:
             return None
-        width = gate.aux_width
+        return CompiledCausalGate(library, gate.constants(), self.num_heads, self.head_dim, width, gate.eps)
+
+    def _compiled_gate_applies(self, projected, energy, token_mask, past_state) -> bool:
+        """Whether a multi-position pass can run its gate in C: no autograd (the C code has no backward), the linear
+        energies inside the fused float32 projection, no padding, nothing cached yet, nothing watching the gate."""
+        return (
+            energy is not None
+            and not torch.is_grad_enabled()
+            and token_mask is None
+            and past_state is None
+            and projected.dtype == torch.float32
+            and projected.device.type == "cpu"
+            and not _gate_observed(self.energy_gate)
+        )
+
+    def build_decoding_plan(self) -> CompiledDecodingPlan | None:
+        """What the compiled decoding step keeps through a generation, or ``None`` where it does not apply (no gate,
+        or no compiled gate for it: ``_compiled_gate``)."""
+        if self.energy_gate is None:
+            return None
+        width = self.energy_gate.aux_width
+        compiled_gate = self._compiled_gate(width)
+        if compiled_gate is None:
+            return None
         qkv_weight, qkv_bias = self._folded_qkv_weights(width)
         return CompiledDecodingPlan(
             qkv_weight, qkv_bias,
             folded_output_weight(self.c_proj.weight, self.num_heads, width), self.c_proj.bias,
             (3, self.num_heads, self.head_dim + width), 3 * self.num_heads * (self.head_dim + width),
-            CausalGateStep(function, gate.constants(), self.num_heads, self.head_dim, width, gate.eps),
+            compiled_gate,
         )
 
     def _compiled_step_applies(self, plan: CompiledDecodingPlan, cache) -> bool:
@@ -296,7 +328,7 @@ class EGAAttention(nn.Module):
         projected = nn.functional.linear(hidden_states, plan.qkv_weight, plan.qkv_bias)
         if projected.dtype != torch.float32:  # autocast: the C code reads and writes float32 only
             return self._gated_forward(hidden_states, attention_mask, None, cache, **kwargs)
-        plan.gate_step(projected, cache.layers[self.layer_idx].values)
+        plan.gate.step(projected, cache.layers[self.layer_idx].values)
         qkv = projected.narrow(-1, 0, plan.qkv_columns).view(batch, 1, *plan.qkv_shape)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         key, value = cache.update(key.contiguous(), value.contiguous(), self.layer_idx)
