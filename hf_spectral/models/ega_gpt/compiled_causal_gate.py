@@ -157,7 +157,7 @@ _SIGNATURES = {
 }
 
 _lock = threading.Lock()
-_loaded = {}  # "function" -> the ctypes function, or None once compiling or loading failed
+_loaded = {}  # "library" -> the loaded library, or None once compiling or loading failed
 
 
 def _enabled() -> bool:

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 try:  # only the Daubechies energies need PyWavelets
     import pywt
 except ImportError:  # pragma: no cover - exercised only where PyWavelets is missing

@@ -5,6 +5,12 @@ and keys and hands them to whichever kernel ``config._attn_implementation`` name
 so the fused causal kernels stay in use. The KV cache stores each key's bias, plus the per-key state later
 steps need (raw energies for the running statistics, filter history), in the extra key/value channels: beam
 search, cache cropping and left padding then need nothing special.
+
+Outside autograd, on CPU in float32, the causal gate of linear energies runs as compiled C code
+(``compiled_causal_gate.py``) on the fused projection's output: the forward pass and prompt of unpadded sequences,
+and every unpadded decoding step of ``generate()``, whose per-layer plans (folded weights, bound C function) are
+kept through the generation. Everything else — training, padding, other energies and statistics, other dtypes,
+observed gates — runs the torch code, which computes the same numbers.
 """
 
 from collections.abc import Callable
@@ -172,7 +178,7 @@ class EGAAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.energy_gate is not None:
-            if decoding_plan is not None and self._compiled_step_applies(decoding_plan, cache):
+            if decoding_plan is not None and self._compiled_step_applies(decoding_plan, hidden_states, cache):
                 return self._compiled_decoding_step(hidden_states, attention_mask, cache, decoding_plan, **kwargs)
             return self._gated_forward(hidden_states, attention_mask, token_mask, cache, **kwargs)
         query, key, value = self._project(hidden_states)
@@ -304,9 +310,10 @@ class EGAAttention(nn.Module):
             compiled_gate,
         )
 
-    def _compiled_step_applies(self, plan: CompiledDecodingPlan, cache) -> bool:
+    def _compiled_step_applies(self, plan: CompiledDecodingPlan, hidden_states, cache) -> bool:
         """The checks on a decoding step that can change from step to step: nothing watches the gate module
-        (``output_gate_values``, hooks) and the cache holds this layer's float32 values with the plan's width."""
+        (``output_gate_values``, hooks) and the cache holds this layer's float32 values for every row, with the
+        plan's width (the C code reads them through raw pointers)."""
         gate = self.energy_gate
         if (gate._forward_hooks or gate._forward_pre_hooks) and _gate_observed(gate):
             return False
@@ -315,6 +322,8 @@ class EGAAttention(nn.Module):
             isinstance(values, torch.Tensor)
             and values.dtype == torch.float32
             and values.dim() == 4
+            and values.shape[0] == hidden_states.shape[0]
+            and values.shape[1] == self.num_heads
             and values.shape[2] > 0
             and values.shape[3] == plan.qkv_shape[2]
             and values.stride(3) == 1
@@ -504,14 +513,15 @@ class EGAModel(EGAPreTrainedModel):
             )
         return EGAModelOutputWithPast(last_hidden_state=self.ln_f(hidden_states), cache=cache)
 
-
     def _compiled_decoding_plans(self) -> list:
         """Per layer, the compiled decoding step's plan (or ``None``), kept through a generation and checked against
         every layer's parameters once per step rather than once per layer (``DerivedTensors.kept``)."""
         plans = self._decoding_plans.kept(None)
         if plans is DerivedTensors.MISSING:
             sources = [t for block in self.h for t in block.attn.decoding_plan_sources()]
-            plans = self._decoding_plans.get(lambda: [block.attn.build_decoding_plan() for block in self.h], None, *sources)
+            plans = self._decoding_plans.get(
+                lambda: [block.attn.build_decoding_plan() for block in self.h], None, *sources
+            )
         return plans
 
 
