@@ -182,9 +182,10 @@ def test_derived_tensors_are_kept_only_inside_the_caching_block_and_follow_their
             first = derived.get(build, "key", weight)
             assert derived.get(build, "key", weight) is first and len(builds) == 3
             assert derived.kept("key") is first and derived.kept("other key") is DerivedTensors.MISSING
-            assert derived.get(build, "other key", weight) is not first and len(builds) == 4
+            second = derived.get(build, "other key", weight)
+            assert second is not first and len(builds) == 4 and derived.kept("other key") is second
             weight.add_(1.0)  # an in-place update: the version counter moves
-            assert derived.kept("key") is DerivedTensors.MISSING
+            assert derived.kept("other key") is DerivedTensors.MISSING
             torch.testing.assert_close(derived.get(build, "other key", weight), weight * 2)
             weight.data = torch.zeros(3, 2)  # replaced storage (e.g. .to() / .half())
             assert torch.all(derived.get(build, "other key", weight) == 0) and len(builds) == 6
