@@ -250,12 +250,13 @@ class CompiledCausalGate:
         self._layout_pointer = ctypes.pointer(self.layout)
         self._step, self._prefill = library.ega_causal_gate_step, library.ega_causal_gate_prefill
 
-    def step(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """One decoding step: rows (B, 1, N); values (B, H, T_past ≥ 1, D + P), the layer's cached values, whose
-        last key holds the running moments. The new moments go to the rows' value channels."""
+    def step(self, rows: torch.Tensor, values: torch.Tensor, past_length: int) -> None:
+        """One decoding step after ``past_length`` ≥ 1 cached keys: rows (B, 1, N); values (B, H, ≥ past_length,
+        D + P), the layer's cached values, whose key ``past_length`` − 1 holds the running moments. The new moments
+        go to the rows' value channels."""
         strides = values.stride()
         self._step(self._layout_pointer, rows.data_ptr(), rows.stride(0), rows.shape[0],
-                   values.data_ptr(), strides[0], strides[1], strides[2], values.shape[2])
+                   values.data_ptr(), strides[0], strides[1], strides[2], past_length)
 
     def prefill(self, rows: torch.Tensor) -> None:
         """The first T positions of each sequence, without padding: rows (B, T, N); the running moments go to the

@@ -20,6 +20,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 try:  # only the Daubechies energies need PyWavelets
     import pywt
@@ -348,14 +349,38 @@ class DerivedTensors:
         return self.MISSING
 
 
+def cached_length(layer) -> int:
+    """The number of keys a KV cache layer holds. Energy-gated layers keep per-key gate state in the cache, so the
+    layer must keep every key as written, at its position: a ``DynamicLayer`` or a ``StaticLayer`` (``DynamicCache``,
+    ``StaticCache``, their offloaded forms), or a sliding-window layer until its window starts dropping keys (the
+    statistics count every earlier token). Quantised layers alter the keys and raise, as does a full window."""
+    if type(layer) in (DynamicLayer, StaticLayer):
+        return int(layer.get_seq_length())
+    if type(layer) is DynamicSlidingWindowLayer:
+        held = layer.values.shape[-2] if layer.is_initialized else 0
+        if int(layer.get_seq_length()) == held:
+            return held
+        raise ValueError(
+            f"the KV cache's sliding window has dropped {int(layer.get_seq_length()) - held} keys; energy-gated "
+            "attention keeps its per-key gate state (statistics over every earlier token) in the cache and cannot "
+            "continue past the window: use a DynamicCache without a sliding window"
+        )
+    raise ValueError(
+        f"energy-gated attention keeps per-key gate state in its KV cache and needs every key kept as written; "
+        f"a {type(layer).__name__} does not: use a DynamicCache or a StaticCache"
+    )
+
+
 def cached_gate_state(cache, layer_idx: int, head_dim: int) -> torch.Tensor | None:
-    """The per-key gate state a layer's KV cache holds after the first ``head_dim`` value channels, or ``None``."""
+    """The per-key gate state a layer's KV cache holds after the first ``head_dim`` value channels, for the keys
+    cached so far (a ``StaticCache`` holds more positions than it has filled), or ``None`` before the first."""
     if cache is None or layer_idx >= len(cache.layers):
         return None
-    values = getattr(cache.layers[layer_idx], "values", None)
-    if values is None or values.numel() == 0:
+    layer = cache.layers[layer_idx]
+    past_length = cached_length(layer)
+    if past_length == 0:
         return None
-    return values[..., head_dim:]
+    return layer.values[:, :, :past_length, head_dim:]
 
 
 def replace_folded_bias(key: torch.Tensor, bias: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -48,6 +48,7 @@ from .energy_gate import (
     LinearEnergy,
     MorletEnergy,
     cached_gate_state,
+    cached_length,
     caching_derived_tensors,
     fold_bias_into_qkv,
     folded_output_weight,
@@ -228,6 +229,11 @@ class EGAAttention(nn.Module):
             )
             # With window statistics and a past, every cached key's bias changes with the window.
             rebias_all_keys = all_bias.shape[-1] != length
+            if rebias_all_keys and type(cache.layers[self.layer_idx]) is not DynamicLayer:
+                raise ValueError(
+                    "window statistics re-bias every cached key at each step and need a DynamicCache, not a "
+                    f"{type(cache.layers[self.layer_idx]).__name__}"
+                )
             bias = all_bias[..., -length:] if rebias_all_keys else all_bias
             if fused:
                 qkv.select(2, 1).select(-1, head_dim).copy_(bias.transpose(1, 2))
@@ -317,14 +323,19 @@ class EGAAttention(nn.Module):
         gate = self.energy_gate
         if (gate._forward_hooks or gate._forward_pre_hooks) and _gate_observed(gate):
             return False
-        values = getattr(cache.layers[self.layer_idx], "values", None) if self.layer_idx < len(cache.layers) else None
+        if self.layer_idx >= len(cache.layers):
+            return False
+        layer = cache.layers[self.layer_idx]
+        past_length = cached_length(layer)
+        values = layer.values
         return (
-            isinstance(values, torch.Tensor)
+            past_length > 0
+            and isinstance(values, torch.Tensor)
             and values.dtype == torch.float32
             and values.dim() == 4
             and values.shape[0] == hidden_states.shape[0]
             and values.shape[1] == self.num_heads
-            and values.shape[2] > 0
+            and values.shape[2] >= past_length
             and values.shape[3] == plan.qkv_shape[2]
             and values.stride(3) == 1
             and values.device.type == "cpu"
@@ -337,7 +348,8 @@ class EGAAttention(nn.Module):
         projected = nn.functional.linear(hidden_states, plan.qkv_weight, plan.qkv_bias)
         if projected.dtype != torch.float32:  # autocast: the C code reads and writes float32 only
             return self._gated_forward(hidden_states, attention_mask, None, cache, **kwargs)
-        plan.gate.step(projected, cache.layers[self.layer_idx].values)
+        layer = cache.layers[self.layer_idx]
+        plan.gate.step(projected, layer.values, cached_length(layer))
         qkv = projected.narrow(-1, 0, plan.qkv_columns).view(batch, 1, *plan.qkv_shape)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         key, value = cache.update(key.contiguous(), value.contiguous(), self.layer_idx)
@@ -473,7 +485,7 @@ class EGAModel(EGAPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         length = inputs_embeds.shape[1]
-        past_length = cache.get_seq_length() if cache is not None else 0
+        past_length = int(cache.get_seq_length()) if cache is not None else 0
 
         token_mask = None
         if attention_mask is not None and attention_mask.ndim == 2:
@@ -484,6 +496,12 @@ class EGAModel(EGAPreTrainedModel):
                 )
             # An all-ones mask means "no padding": dropping it lets the gates take their cheaper unpadded paths.
             token_mask = None if bool(attention_mask.all()) else attention_mask.bool()
+        elif attention_mask is not None and attention_mask.ndim == 4:
+            # A causal 4D mask (generate() builds one for a StaticCache): the last query sees every earlier token, so
+            # its row says which keys are padding (bool: True = seen; float: 0 = seen).
+            seen = attention_mask[:, 0, -1, : past_length + length]
+            seen = seen if seen.dtype == torch.bool else seen == 0
+            token_mask = None if bool(seen.all()) else seen
         if position_ids is None:
             if token_mask is not None:  # count real tokens, so that left padding does not shift positions
                 position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]

@@ -83,7 +83,8 @@ def test_compiled_step_computes_what_the_torch_step_computes(scales):
     bias, _ = log_gate_bias(z, gate.tau, gate.alpha, gate.mix_logits)
     expected = expected_rows(rows, bias, mean, m2, heads, head_dim, width)
 
-    CompiledCausalGate(compiled_library(), gate.constants(), heads, head_dim, width, gate.eps).step(rows, values)
+    padded = torch.cat([values, torch.randn(batch, heads, 3, head_dim + width, generator=generator)], 2)  # static
+    CompiledCausalGate(compiled_library(), gate.constants(), heads, head_dim, width, gate.eps).step(rows, padded, past)
     torch.testing.assert_close(rows, expected, atol=2e-6, rtol=1e-6)
 
 
@@ -149,11 +150,15 @@ def test_training_padding_and_other_energies_take_the_torch_code(compiled_calls)
 
 
 @needs_compiler
+@pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["dynamic cache", "static cache"])
 @pytest.mark.parametrize("variant", ["EGA-1", "EGA-2", "EGA-4"])
-def test_generation_takes_the_compiled_gate_and_equals_the_uncached_forward(variant, compiled_calls, monkeypatch):
+def test_generation_takes_the_compiled_gate_and_equals_the_uncached_forward(
+    variant, cache_implementation, compiled_calls, monkeypatch
+):
     model = tiny_model(variant)
     ids = padded_batch()[0][:, 5:]
-    out = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         cache_implementation=cache_implementation)
     layers = model.config.num_hidden_layers
     assert compiled_calls == [("prefill", (3, 9, compiled_calls[0][1][-1]))] * layers + [
         ("step", (3, 1, compiled_calls[0][1][-1]))

@@ -218,6 +218,38 @@ def test_generate_with_cache_matches_generate_without(settings):
         assert torch.equal(alone, results[0][:1, 5:])
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("variant", ["EGA-1", "EGA-2", "EGA-C", "EGA-M"])
+def test_static_cache_generation_equals_the_uncached_forward(variant, padded):
+    """A StaticCache holds more positions than it has filled, and generate() hands the model a 4D mask for it: the
+    gates read their state at the last filled key and their padding from the mask's last row."""
+    model = tiny_model(variant)
+    ids, mask = padded_batch()
+    ids, mask = (ids, mask) if padded else (ids[:, 5:], None)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                         output_logits=True, return_dict_in_generate=True)
+    full_mask = None if mask is None else torch.cat([mask, torch.ones(3, 4, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        full = model(out.sequences, attention_mask=full_mask).logits
+    for step, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
+
+
+def test_caches_that_drop_or_refill_keys_are_refused():
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+    ids = padded_batch()[0][:, 5:]
+    model = tiny_model("EGA-1")
+    cache = DynamicCache(config=model.config)
+    cache.layers = [DynamicSlidingWindowLayer(sliding_window=4) for _ in cache.layers]
+    with torch.no_grad(), pytest.raises(ValueError, match="sliding window has dropped"):
+        out = model(ids, cache=cache, use_cache=True)
+        model(ids[:, -1:], cache=out.cache, use_cache=True)
+    window = tiny_model("EGA-1", energy_normalization="window")
+    with pytest.raises(ValueError, match="window statistics"):
+        window.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static")
+
+
 def test_attention_backends_agree():
     ids, mask = padded_batch()
     for variant in ("EGA-1", "EGA-M"):
