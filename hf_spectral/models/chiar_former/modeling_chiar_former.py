@@ -506,7 +506,7 @@ class ChiarModel(ChiarPreTrainedModel):
                 "`DynamicCache(config=model.config)` so that each layer gets the state its operator needs"
             )
         if any(t in ("full_attention", "hybrid") for t in self.config.layer_types):
-            return cache.get_seq_length()
+            return int(cache.get_seq_length())
         # Only recurrent state: nothing depends on the past length except the mask's shape.
         return attention_mask.shape[1] - length if attention_mask is not None and attention_mask.ndim == 2 else 0
 
@@ -540,7 +540,14 @@ class ChiarModel(ChiarPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         batch, length = inputs_embeds.shape[:2]
+        if isinstance(attention_mask, dict):  # generate() with a StaticCache: one causal mask per layer type
+            attention_mask = next(iter(attention_mask.values()), None)
         past_length = self._past_length(cache, attention_mask, length)
+        if attention_mask is not None and attention_mask.ndim == 4:
+            # A causal 4D mask (generate() builds one for a StaticCache): the last query sees every earlier token, so
+            # its row is the padding mask (bool: True = seen; float: 0 = seen).
+            seen = attention_mask[:, 0, -1, : past_length + length]
+            attention_mask = seen if seen.dtype == torch.bool else seen == 0
 
         key_valid = token_valid = None
         if attention_mask is not None:

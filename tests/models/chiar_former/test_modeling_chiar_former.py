@@ -248,11 +248,14 @@ def _uncached_greedy(model, ids, mask, steps):
     return ids
 
 
-@pytest.mark.parametrize("variant", ["threshold-3", "hard-3", "rbf-only"])
-def test_generate_with_cache_matches_the_uncached_forward(variant):
+@pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["dynamic cache", "static cache"])
+@pytest.mark.parametrize("variant", ["threshold-3", "hard-3", "rbf-only", "attention-only"])
+def test_generate_with_cache_matches_the_uncached_forward(variant, cache_implementation):
+    """Also with a StaticCache, for which generate() hands the model one 4D mask per layer type."""
     ids = random_ids(3, 9, seed=11)
     padded, mask = _left_padded(ids, [0, 4, 2])
     model = build(ChiarForCausalLM, tiny_config(**CAUSAL_VARIANTS[variant]), calibrate_on=ids)
+    model.generation_config.cache_implementation = cache_implementation
 
     greedy = model.generate(padded, attention_mask=mask, max_new_tokens=6, do_sample=False,
                             output_logits=True, return_dict_in_generate=True)
