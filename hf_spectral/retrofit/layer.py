@@ -179,9 +179,25 @@ def set_token_mask_hook():
     def hook(module, args, kwargs):
         signature = signatures.setdefault(type(module), inspect.signature(module.forward))
         bound = signature.bind_partial(*args, **kwargs)
-        mask = bound.arguments.get("attention_mask")
-        token_mask = mask.bool() if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+        token_mask = padding_mask(bound.arguments.get("attention_mask"))
         for attention in module._energy_gated_attentions:
             attention.energy_gate_token_mask = token_mask
 
     return hook
+
+
+def padding_mask(mask) -> torch.Tensor | None:
+    """The (batch, past + new) bool padding mask (True at tokens) behind a decoder's ``attention_mask``: a 2D mask
+    as given; a causal 4D mask (generate() builds one for a StaticCache, or one per layer type in a dict) read from
+    its last query row, which sees every earlier token, up to that query's own position (the last one it sees)."""
+    if isinstance(mask, dict):
+        mask = next((m for m in mask.values() if m is not None), None)
+    if not isinstance(mask, torch.Tensor):
+        return None
+    if mask.ndim == 2:
+        return mask.bool()
+    if mask.ndim != 4:
+        return None
+    seen = mask[:, 0, -1]
+    seen = seen if seen.dtype == torch.bool else seen == 0
+    return seen[:, : int(seen.any(0).nonzero().max()) + 1]

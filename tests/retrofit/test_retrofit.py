@@ -128,6 +128,22 @@ def test_gated_model_is_causal_and_its_cache_matches_the_forward(family, tmp_pat
     assert torch.equal(beams, uncached)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_static_cache_generation_matches_the_forward(family, tmp_path):
+    """With a StaticCache generate() hands the decoder a 4D mask: the gates read their padding from it and their
+    state at the last filled key."""
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINTS[family](tmp_path / family)).eval()
+    add_energy_gates(model)
+    randomise_gates(model)
+    ids, mask, _ = padded_batch()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                         output_logits=True, return_dict_in_generate=True)
+    full_mask = torch.cat([mask, torch.ones(3, 4, dtype=mask.dtype)], 1)
+    full = logits(model, out.sequences, full_mask, (full_mask.cumsum(-1) - 1).clamp(min=0))
+    for step, step_logits in enumerate(out.logits):
+        torch.testing.assert_close(step_logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
+
+
 def test_gated_attention_accepts_positional_arguments(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
     add_energy_gates(model)
