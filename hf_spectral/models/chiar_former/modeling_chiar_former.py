@@ -541,7 +541,7 @@ class ChiarModel(ChiarPreTrainedModel):
             cache = DynamicCache(config=self.config)
         batch, length = inputs_embeds.shape[:2]
         if isinstance(attention_mask, dict):  # generate() with a StaticCache: one causal mask per layer type
-            attention_mask = next(iter(attention_mask.values()), None)
+            attention_mask = next((m for m in attention_mask.values() if m is not None), None)
         past_length = self._past_length(cache, attention_mask, length)
         if attention_mask is not None and attention_mask.ndim == 4:
             # A causal 4D mask (generate() builds one for a StaticCache): the last query sees every earlier token, so
