@@ -28,6 +28,7 @@ from ..models.ega_gpt.energy_gate import (
     cached_gate_state,
     fold_bias_into_kv,
     pad_query_for_bias,
+    padding_mask,
     replace_folded_bias,
 )
 
@@ -185,19 +186,3 @@ def set_token_mask_hook():
 
     return hook
 
-
-def padding_mask(mask) -> torch.Tensor | None:
-    """The (batch, past + new) bool padding mask (True at tokens) behind a decoder's ``attention_mask``: a 2D mask
-    as given; a causal 4D mask (generate() builds one for a StaticCache, or one per layer type in a dict) read from
-    its last query row, which sees every earlier token, up to that query's own position (the last one it sees)."""
-    if isinstance(mask, dict):
-        mask = next((m for m in mask.values() if m is not None), None)
-    if not isinstance(mask, torch.Tensor):
-        return None
-    if mask.ndim == 2:
-        return mask.bool()
-    if mask.ndim != 4:
-        return None
-    seen = mask[:, 0, -1]
-    seen = seen if seen.dtype == torch.bool else seen == 0
-    return seen[:, : int(seen.any(0).nonzero().max()) + 1]

@@ -371,6 +371,22 @@ def cached_length(layer) -> int:
     )
 
 
+def padding_mask(mask, length: int | None = None) -> torch.Tensor | None:
+    """The (batch, past + new) bool padding mask (True at tokens) behind an ``attention_mask``: a 2D mask as given;
+    a causal 4D mask — generate() builds one for a StaticCache, or a dict of them, one per layer type — read from its
+    last query row, which sees every earlier token: its first ``length`` columns, or up to the last column that query
+    sees (its own position); ``None`` for anything else."""
+    if isinstance(mask, dict):
+        mask = next((m for m in mask.values() if m is not None), None)
+    if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 4):
+        return None
+    if mask.ndim == 2:
+        return mask.bool()
+    seen = mask[:, 0, -1]
+    seen = seen if seen.dtype == torch.bool else seen == 0
+    return seen[:, : int(seen.any(0).nonzero().max()) + 1 if length is None else length]
+
+
 def cached_gate_state(cache, layer_idx: int, head_dim: int) -> torch.Tensor | None:
     """The per-key gate state a layer's KV cache holds after the first ``head_dim`` value channels, for the keys
     cached so far (a ``StaticCache`` holds more positions than it has filled), or ``None`` before the first."""

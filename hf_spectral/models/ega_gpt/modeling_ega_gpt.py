@@ -54,6 +54,7 @@ from .energy_gate import (
     folded_output_weight,
     folded_qkv_weights,
     keeping_derived_tensors,
+    padding_mask,
     replace_folded_bias,
 )
 from .sequence_pooling import SequencePooling
@@ -130,10 +131,9 @@ def _gate_observed(gate: EnergyGate) -> bool:
     transformers' output-capturing hook, or that hook while it records gate values."""
     if gate._forward_pre_hooks:
         return True
-    hooks = list(gate._forward_hooks.values())
-    if not hooks:
+    if not gate._forward_hooks:
         return False
-    if any(getattr(hook, "__name__", None) != "output_capturing_hook" for hook in hooks):
+    if any(getattr(hook, "__name__", None) != "output_capturing_hook" for hook in gate._forward_hooks.values()):
         return True
     collected = _active_output_collector.get() if _active_output_collector is not None else None
     return _active_output_collector is None or (collected is not None and "gate_values" in collected)
@@ -179,8 +179,11 @@ class EGAAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.energy_gate is not None:
-            if decoding_plan is not None and self._compiled_step_applies(decoding_plan, hidden_states, cache):
-                return self._compiled_decoding_step(hidden_states, attention_mask, cache, decoding_plan, **kwargs)
+            past_length = 0 if decoding_plan is None else self._compiled_step_past(decoding_plan, hidden_states, cache)
+            if past_length:
+                return self._compiled_decoding_step(
+                    hidden_states, attention_mask, cache, decoding_plan, past_length, **kwargs
+                )
             return self._gated_forward(hidden_states, attention_mask, token_mask, cache, **kwargs)
         query, key, value = self._project(hidden_states)
         if cache is not None:
@@ -316,21 +319,17 @@ class EGAAttention(nn.Module):
             compiled_gate,
         )
 
-    def _compiled_step_applies(self, plan: CompiledDecodingPlan, hidden_states, cache) -> bool:
-        """The checks on a decoding step that can change from step to step: nothing watches the gate module
-        (``output_gate_values``, hooks) and the cache holds this layer's float32 values for every row, with the
-        plan's width (the C code reads them through raw pointers)."""
-        gate = self.energy_gate
-        if (gate._forward_hooks or gate._forward_pre_hooks) and _gate_observed(gate):
-            return False
-        if self.layer_idx >= len(cache.layers):
-            return False
+    def _compiled_step_past(self, plan: CompiledDecodingPlan, hidden_states, cache) -> int:
+        """The number of cached keys if this decoding step can take the compiled step, else 0. Checks what can change
+        from step to step: nothing watches the gate module (``output_gate_values``, hooks), and the cache holds this
+        layer's float32 values for every row with the plan's width (the C code reads them through raw pointers)."""
+        if _gate_observed(self.energy_gate) or self.layer_idx >= len(cache.layers):
+            return 0
         layer = cache.layers[self.layer_idx]
         past_length = cached_length(layer)
         values = layer.values
-        return (
+        applies = (
             past_length > 0
-            and isinstance(values, torch.Tensor)
             and values.dtype == torch.float32
             and values.dim() == 4
             and values.shape[0] == hidden_states.shape[0]
@@ -340,16 +339,16 @@ class EGAAttention(nn.Module):
             and values.stride(3) == 1
             and values.device.type == "cpu"
         )
+        return past_length if applies else 0
 
-    def _compiled_decoding_step(self, hidden_states, attention_mask, cache, plan, **kwargs):
+    def _compiled_decoding_step(self, hidden_states, attention_mask, cache, plan, past_length, **kwargs):
         """``_gated_forward`` for one new position without padding, the gate's arithmetic in one C call: the same
         q/k/v layout and cache contents, so that this and the torch code can take turns from step to step."""
         batch = hidden_states.shape[0]
         projected = nn.functional.linear(hidden_states, plan.qkv_weight, plan.qkv_bias)
         if projected.dtype != torch.float32:  # autocast: the C code reads and writes float32 only
             return self._gated_forward(hidden_states, attention_mask, None, cache, **kwargs)
-        layer = cache.layers[self.layer_idx]
-        plan.gate.step(projected, layer.values, cached_length(layer))
+        plan.gate.step(projected, cache.layers[self.layer_idx].values, past_length)
         qkv = projected.narrow(-1, 0, plan.qkv_columns).view(batch, 1, *plan.qkv_shape)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         key, value = cache.update(key.contiguous(), value.contiguous(), self.layer_idx)
@@ -496,12 +495,9 @@ class EGAModel(EGAPreTrainedModel):
                 )
             # An all-ones mask means "no padding": dropping it lets the gates take their cheaper unpadded paths.
             token_mask = None if bool(attention_mask.all()) else attention_mask.bool()
-        elif attention_mask is not None and attention_mask.ndim == 4:
-            # A causal 4D mask (generate() builds one for a StaticCache): the last query sees every earlier token, so
-            # its row says which keys are padding (bool: True = seen; float: 0 = seen).
-            seen = attention_mask[:, 0, -1, : past_length + length]
-            seen = seen if seen.dtype == torch.bool else seen == 0
-            token_mask = None if bool(seen.all()) else seen
+        elif attention_mask is not None:  # a causal 4D mask (generate() builds one for a StaticCache)
+            seen = padding_mask(attention_mask, past_length + length)
+            token_mask = None if seen is None or bool(seen.all()) else seen
         if position_ids is None:
             if token_mask is not None:  # count real tokens, so that left padding does not shift positions
                 position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
