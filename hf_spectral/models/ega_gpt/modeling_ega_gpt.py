@@ -7,7 +7,7 @@ steps need (raw energies for the running statistics, filter history), in the ext
 search, cache cropping and left padding then need nothing special.
 
 Outside autograd, on CPU in float32, the causal gate of linear energies runs as compiled C code
-(``compiled_causal_gate.py``) on the fused projection's output: the forward pass and prompt of unpadded sequences,
+(``compiled_kernels.py``) on the fused projection's output: the forward pass and prompt of unpadded sequences,
 and every unpadded decoding step of ``generate()``, whose per-layer plans (folded weights, bound C function) are
 kept through the generation. Everything else — training, padding, other energies and statistics, other dtypes,
 observed gates — runs the torch code, which computes the same numbers.
@@ -40,7 +40,7 @@ try:  # what output_gate_values=True switches on; private, hence the fallback (e
 except ImportError:  # pragma: no cover - depends on the transformers version
     _active_output_collector = None
 
-from .compiled_causal_gate import CompiledCausalGate, compiled_library
+from .compiled_kernels import CompiledCausalGate, causal_attention_with_key_bias, compiled_library
 from .configuration_ega_gpt import EGAConfig
 from .energy_gate import (
     DerivedTensors,
@@ -50,6 +50,7 @@ from .energy_gate import (
     cached_gate_state,
     cached_length,
     caching_derived_tensors,
+    fold_bias_into_kv,
     fold_bias_into_qkv,
     folded_output_weight,
     folded_qkv_weights,
@@ -197,6 +198,10 @@ class EGAAttention(nn.Module):
         return tuple(t.view(shape).transpose(1, 2) for t in qkv)
 
     def _gated_forward(self, hidden_states, attention_mask, token_mask, cache, **kwargs):
+        if token_mask is None and torch.is_grad_enabled():
+            attn_output = self._compiled_training_forward(hidden_states, attention_mask, cache)
+            if attn_output is not None:
+                return attn_output, None
         batch, length, _ = hidden_states.shape
         head_dim, gate = self.head_dim, self.energy_gate
         width = max(1, gate.aux_width) if cache is not None else 1
@@ -226,6 +231,16 @@ class EGAAttention(nn.Module):
             # the whole gate in one C call, which writes the bias (and the cache's state) into qkv itself
             compiled_gate.prefill(projected)
             query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            if self._compiled_attention_applies(attention_mask, cache):
+                # SDPA's causal attention with the bias added to the scores rather than through the folded channel
+                attn_output = causal_attention_with_key_bias(
+                    qkv[..., :head_dim], qkv[:, :, 1, :, head_dim].transpose(1, 2), self.scaling,
+                    self.config.attn_pdrop if self.training else 0.0,
+                )
+                if attn_output is not None:
+                    if cache is not None:
+                        cache.update(key, value, self.layer_idx)
+                    return self.resid_dropout(self.c_proj(attn_output.view(batch, length, -1))), None
         else:
             all_bias, _, state = gate(
                 hidden_states, valid=token_mask, past_aux=past_state, return_aux=cache is not None, energy=energy
@@ -259,6 +274,52 @@ class EGAAttention(nn.Module):
             attn_output = self.c_proj(attn_output[..., :head_dim].reshape(batch, length, -1))
         return self.resid_dropout(attn_output), attn_weights
 
+    def _compiled_training_forward(self, hidden_states, attention_mask, cache) -> torch.Tensor | None:
+        """The gated attention of a pass with autograd (training), without padding or a past, through the compiled
+        attention and its backward (``causal_attention_with_key_bias``): q, k and v straight from the projection and
+        the gate's bias added to the scores, rather than an extra folded channel that SDPA's forward and backward
+        pay 10-20% for; a cache, if any, gets the folded keys and values. ``None`` where it does not apply (other
+        backends, masks, a past, other dtypes or devices, autocast) or the kernel is not available; the caller then
+        runs the torch code."""
+        if not (
+            self._compiled_attention_applies(attention_mask, cache)
+            and hidden_states.dtype == torch.float32
+            and hidden_states.device.type == "cpu"
+            and self.c_attn.weight.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu")
+        ):
+            return None
+        batch, length, _ = hidden_states.shape
+        gate, columns = self.energy_gate, 3 * self.config.hidden_size
+        energy = None
+        if self._projections_fusable() and isinstance(gate.energy, LinearEnergy):
+            # q, k, v and the linear energies from one product
+            energy_proj = gate.energy.proj
+            weight = torch.cat([self.c_attn.weight, energy_proj.weight])
+            bias = None
+            if self.c_attn.bias is not None or energy_proj.bias is not None:
+                bias = torch.cat([
+                    self.c_attn.weight.new_zeros(columns) if self.c_attn.bias is None else self.c_attn.bias,
+                    energy_proj.weight.new_zeros(energy_proj.out_features) if energy_proj.bias is None
+                    else energy_proj.bias,
+                ])
+            projected = nn.functional.linear(hidden_states, weight, bias)
+            energy = gate.energy.arrange(projected[..., columns:])
+            qkv = projected[..., :columns]
+        else:
+            qkv = self.c_attn(hidden_states)
+        key_bias, _, state = gate(hidden_states, return_aux=cache is not None, energy=energy)
+        qkv = qkv.view(batch, length, 3, self.num_heads, self.head_dim)
+        attn_output = causal_attention_with_key_bias(
+            qkv, key_bias, self.scaling, self.config.attn_pdrop if self.training else 0.0
+        )
+        if attn_output is None:
+            return None
+        if cache is not None:
+            _, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            cache.update(*fold_bias_into_kv(key, value, key_bias, state), self.layer_idx)
+        return self.resid_dropout(self.c_proj(attn_output.view(batch, length, -1)))
+
     def decoding_plan_sources(self) -> list[torch.Tensor | None]:
         """The parameters a ``CompiledDecodingPlan`` of this layer is derived from."""
         gate = self.energy_gate
@@ -271,7 +332,7 @@ class EGAAttention(nn.Module):
         ]
 
     def _compiled_gate(self, width: int) -> CompiledCausalGate | None:
-        """The compiled causal gate (``compiled_causal_gate``) for this layer's fused projection with ``width`` extra
+        """The compiled causal gate (``compiled_kernels``) for this layer's fused projection with ``width`` extra
         channels per head, or ``None`` where it does not apply: statistics other than causal, energies other than
         linear (the C code reads them from the fused projection), projections that must be called
         (``_projections_fusable``), weights not float32 on CPU, or no C compiler."""
@@ -300,6 +361,16 @@ class EGAAttention(nn.Module):
             and projected.dtype == torch.float32
             and projected.device.type == "cpu"
             and not _gate_observed(self.energy_gate)
+        )
+
+    def _compiled_attention_applies(self, attention_mask, cache) -> bool:
+        """Whether a pass may attend in C (``causal_attention_with_key_bias``): where SDPA would run its plain causal
+        kernel — the SDPA backend, no mask (no padding, nothing cached) — and so return no attention weights
+        either."""
+        return (
+            self.config._attn_implementation == "sdpa"
+            and attention_mask is None
+            and (cache is None or cache.get_seq_length(self.layer_idx) == 0)
         )
 
     def build_decoding_plan(self) -> CompiledDecodingPlan | None:
