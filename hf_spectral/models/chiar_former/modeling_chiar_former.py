@@ -16,6 +16,7 @@ every token (a later token routed to attention reads them all), the RBF operator
 search reordering; left padding is handled by excluding padding keys from the masks and the prefix sums.
 """
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -216,6 +217,17 @@ def cached_recurrent_state(cache: Cache | None, layer_idx: int) -> torch.Tensor 
     return layer.recurrent_states[0]
 
 
+def _compiled_routed_attention() -> Callable | None:
+    """The compiled attention for gathered queries (``causal_attention_at_positions``, shared with EGA-GPT), or
+    ``None`` where this folder runs outside the hf_spectral package (loaded with ``trust_remote_code``): the torch
+    code then computes the same result. Imported by name so that this folder stays self-contained for the Hub."""
+    try:
+        module = importlib.import_module("..ega_gpt.compiled_kernels", __package__)
+    except (ImportError, TypeError, ValueError):
+        return None
+    return module.causal_attention_at_positions
+
+
 class ChiarAttention(nn.Module):
     """Multi-head self-attention with RoPE and qkv biases.
 
@@ -285,8 +297,11 @@ class ChiarAttention(nn.Module):
         then position) -> (N, heads, head_dim). Each row attends on its own, so no row pads its queries to another's
         count; causal queries go in chunks, each against the key prefix its last query can see, so that most future
         keys are skipped as a dense causal kernel skips them."""
-        outputs = []
         counts = torch.bincount(rows, minlength=key.shape[0]).tolist()
+        compiled = self._attend_sparse_compiled(query, key, value, slots, counts, key_valid)
+        if compiled is not None:
+            return compiled
+        outputs = []
         for row, row_query, row_slots in zip(range(key.shape[0]), query.split(counts), slots.split(counts)):
             if row_query.shape[0] == 0:
                 continue
@@ -304,6 +319,36 @@ class ChiarAttention(nn.Module):
                     **kwargs,
                 )
                 outputs.append(out[0])
+        return torch.cat(outputs, 0)
+
+    def _attend_sparse_compiled(self, query, key, value, slots, counts, key_valid) -> torch.Tensor | None:
+        """``_attend_sparse`` through the compiled attention, which computes for each block of 64 routed queries only
+        the keys its last query sees, with no mask tensor: causal layers without padding on the SDPA backend, in
+        float32 on CPU. ``None`` where that does not apply or the kernel is not available."""
+        if not (
+            self.is_causal
+            and key_valid is None
+            and self.config._attn_implementation == "sdpa"
+            and query.dtype == key.dtype == torch.float32
+            and query.device.type == "cpu"
+            and not torch.is_autocast_enabled("cpu")
+        ):
+            return None
+        attend = _compiled_routed_attention()
+        if attend is None:
+            return None
+        dropout = self.config.attention_dropout if self.training else 0.0
+        outputs = []
+        for row, row_query, row_slots in zip(range(key.shape[0]), query.split(counts), slots.split(counts)):
+            if row_query.shape[0] == 0:
+                continue
+            out = attend(
+                row_query.transpose(0, 1)[None], key[row : row + 1], value[row : row + 1], row_slots[None],
+                self.scaling, dropout,
+            )
+            if out is None:
+                return None
+            outputs.append(out[0])
         return torch.cat(outputs, 0)
 
 

@@ -38,6 +38,7 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static float log_sigmoid(float x) { return fminf(x, 0.0f) - log1pf(expf(-fabsf(x))); }
 
@@ -99,17 +100,27 @@ static void gate_position(const GateLayout *layout, float *row, const float *old
 
 /* One decoding step for `batch` rows, rows[b*row_stride + column]. values: the layer's cached values
  * (B, H, past_count, head_stride) with the given element strides, whose last key holds the running moments in its
- * channels head_dim .. head_dim + 2*scales - 1; the new moments go to the row's value state channels. */
+ * channels head_dim .. head_dim + 2*scales - 1; the new moments go to the row's value state channels. Then the
+ * rows' queries, keys and values are copied to qkv_out (3, B, H, head_stride), contiguous: the layouts the
+ * attention and the cache take, without the half-dozen tensor ops that would make them. */
 void ega_causal_gate_step(
     const GateLayout *layout, float *rows, int64_t row_stride, int64_t batch,
     const float *values, int64_t value_batch_stride, int64_t value_head_stride, int64_t value_key_stride,
-    int64_t past_count)
+    int64_t past_count, float *qkv_out)
 {
     const float *last = values + (past_count - 1) * value_key_stride + layout->head_dim;
+    const int64_t part = layout->heads * layout->head_stride;
+    /* The moments sit one cache line per (row, head) across a cache of megabytes: ask for all of them at once, so
+     * that the misses overlap instead of stalling the gate one after another. */
+    for (int64_t b = 0; b < batch; ++b)
+        for (int64_t h = 0; h < layout->heads; ++h)
+            __builtin_prefetch(last + b * value_batch_stride + h * value_head_stride);
     for (int64_t b = 0; b < batch; ++b) {
         float *row = rows + b * row_stride;
         gate_position(layout, row, last + b * value_batch_stride, value_head_stride,
                       row + layout->value_offset, layout->head_stride, past_count + 1);
+        for (int64_t p = 0; p < 3; ++p)
+            memcpy(qkv_out + (p * batch + b) * part, row + p * part, sizeof(float) * (size_t)part);
     }
 }
 
@@ -240,7 +251,19 @@ static void dropout_factors(float *factors, int64_t width, uint64_t seed, uint64
     }
 }
 
-/* A (batch, head) slice of a (B, H, T, C) tensor given by its data pointer and element strides (batch, head,
+/* One call's shapes and options. Query r of batch row b sits at key slot positions[b * query_length + r] (ascending
+ * within a row) and sees keys 0 ... that slot; positions NULL: query r at slot r (a dense causal pass, as many
+ * queries as keys). */
+typedef struct {
+    int64_t batch, heads, query_length, key_length, head_dim;
+    float scale, dropout;  /* dropout: attention dropout probability, 0 for none */
+    uint64_t seed;         /* of the dropout mask */
+    const int64_t *positions;
+} AttentionShape;
+
+static int64_t query_slot(const int64_t *positions, int64_t r) { return positions ? positions[r] : r; }
+
+/* A (batch, head) slice of a (B, H, N, C) tensor given by its data pointer and element strides (batch, head,
  * position; channels adjacent): where its position 0 starts, and how far apart its positions are. */
 typedef struct { float *start; int64_t row; } HeadRows;
 
@@ -250,39 +273,44 @@ static HeadRows head_rows(const float *data, const int64_t *strides, int64_t b, 
     return rows;
 }
 
-/* Forward of one (batch, head). work: (ATTENTION_BLOCK + 2) * length floats; log_sum_exp: `length` floats or NULL;
- * dropout > 0 drops probabilities by the mask of (seed, first_index + query * length + key). */
-static void attend_head(sgemm_fn sgemm, int64_t length, int64_t head_dim, float scale, HeadRows query,
-                        HeadRows key, HeadRows value, HeadRows out, float *log_sum_exp, float dropout, uint64_t seed,
-                        uint64_t first_index, float *work)
+/* Forward of one (batch, head), in blocks of ATTENTION_BLOCK queries: the block's scores against every key its last
+ * query sees in one BLAS product, the biased, causally cut softmax row by row, the weighted values in a second
+ * product. bias: the head's key bias, contiguous; work: ATTENTION_BLOCK + 1 rows of key_length floats (scores,
+ * dropout factors); log_sum_exp: query_length floats or NULL. */
+static void attend_head(sgemm_fn sgemm, const AttentionShape *shape, int64_t b, int64_t h, HeadRows query,
+                        HeadRows key, HeadRows value, const float *bias, HeadRows out, float *log_sum_exp, float *work)
 {
     const float one = 1.0f, zero = 0.0f;
-    float *factors = work + ATTENTION_BLOCK * length;
-    const float *bias = work + (ATTENTION_BLOCK + 1) * length;
-    for (int64_t start = 0; start < length; start += ATTENTION_BLOCK) {
-        const int64_t rows = length - start < ATTENTION_BLOCK ? length - start : ATTENTION_BLOCK;
-        const int64_t width = start + rows; /* the keys the block's last query sees */
+    const int64_t *positions = shape->positions ? shape->positions + b * shape->query_length : 0;
+    const uint64_t first_index = (uint64_t)((b * shape->heads + h) * shape->query_length * shape->key_length);
+    float *factors = work + ATTENTION_BLOCK * shape->key_length;
+    for (int64_t start = 0; start < shape->query_length; start += ATTENTION_BLOCK) {
+        const int64_t rows = shape->query_length - start < ATTENTION_BLOCK ? shape->query_length - start
+                                                                            : ATTENTION_BLOCK;
+        const int64_t width = query_slot(positions, start + rows - 1) + 1; /* the keys the block's last query sees */
         float inverse_sums[ATTENTION_BLOCK];
         /* scores (rows x width, row-major) = scale * Q_block K^T, i.e. column-major K Q^T */
-        sgemm("T", "N", &width, &rows, &head_dim, &scale, key.start, &key.row, query.start + start * query.row,
-              &query.row, &zero, work, &width);
+        sgemm("T", "N", &width, &rows, &shape->head_dim, &shape->scale, key.start, &key.row,
+              query.start + start * query.row, &query.row, &zero, work, &width);
         for (int64_t r = 0; r < rows; ++r) {
+            const int64_t visible = query_slot(positions, start + r) + 1;
             float maximum;
-            const float sum = softmax_row(work + r * width, bias, start + r + 1, width, &maximum);
+            const float sum = softmax_row(work + r * width, bias, visible, width, &maximum);
             inverse_sums[r] = 1.0f / sum;
             if (log_sum_exp) log_sum_exp[start + r] = maximum + logf(sum);
-            if (dropout > 0.0f) {
+            if (shape->dropout > 0.0f) {
                 float *row = work + r * width;
-                dropout_factors(factors, start + r + 1, seed, first_index + (uint64_t)((start + r) * length), dropout);
-                for (int64_t j = 0; j <= start + r; ++j) row[j] *= factors[j];
+                dropout_factors(factors, visible, shape->seed,
+                                first_index + (uint64_t)((start + r) * shape->key_length), shape->dropout);
+                for (int64_t j = 0; j < visible; ++j) row[j] *= factors[j];
             }
         }
         /* out block (rows x head_dim, row-major) = P V, i.e. column-major V^T P^T */
         float *out_block = out.start + start * out.row;
-        sgemm("N", "N", &head_dim, &rows, &width, &one, value.start, &value.row, work, &width, &zero, out_block,
-              &out.row);
+        sgemm("N", "N", &shape->head_dim, &rows, &width, &one, value.start, &value.row, work, &width, &zero,
+              out_block, &out.row);
         for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < head_dim; ++c) out_block[r * out.row + c] *= inverse_sums[r];
+            for (int64_t c = 0; c < shape->head_dim; ++c) out_block[r * out.row + c] *= inverse_sums[r];
     }
 }
 
@@ -317,31 +345,34 @@ static void score_gradient_row(float *probabilities, float *grad, int64_t width,
 }
 
 /* Backward of one (batch, head), recomputing the probabilities from the forward's log-sum-exp (as flash attention
- * does), and the dropout mask from its seed. grad_key/grad_value/grad_bias are overwritten. work:
- * (2 * ATTENTION_BLOCK + 2) * length floats. */
-static void attend_head_backward(sgemm_fn sgemm, int64_t length, int64_t head_dim, float scale, HeadRows query,
-                                 HeadRows key, HeadRows value, HeadRows out, HeadRows grad_out,
-                                 const float *log_sum_exp, float dropout, uint64_t seed, uint64_t first_index,
-                                 HeadRows grad_query, HeadRows grad_key, HeadRows grad_value, float *grad_bias,
-                                 float *work)
+ * does) and the dropout mask from its seed. grad_key, grad_value and grad_bias (key_length floats) are overwritten.
+ * work: 2 * ATTENTION_BLOCK + 2 rows of key_length floats (probabilities, their gradients, dropout factors, a bias
+ * gradient nobody reads where grad_bias is not wanted). */
+static void attend_head_backward(sgemm_fn sgemm, const AttentionShape *shape, int64_t b, int64_t h, HeadRows query,
+                                 HeadRows key, HeadRows value, const float *bias, HeadRows out, HeadRows grad_out,
+                                 const float *log_sum_exp, HeadRows grad_query, HeadRows grad_key,
+                                 HeadRows grad_value, float *grad_bias, float *work)
 {
     const float one = 1.0f, zero = 0.0f;
-    float *probabilities = work, *grad_scores = work + ATTENTION_BLOCK * length;
-    float *factors = work + 2 * ATTENTION_BLOCK * length;
-    const float *bias = work + (2 * ATTENTION_BLOCK + 1) * length;
-    for (int64_t j = 0; j < length; ++j) {
+    const int64_t head_dim = shape->head_dim, key_length = shape->key_length;
+    const int64_t *positions = shape->positions ? shape->positions + b * shape->query_length : 0;
+    const uint64_t first_index = (uint64_t)((b * shape->heads + h) * shape->query_length * key_length);
+    float *probabilities = work, *grad_scores = work + ATTENTION_BLOCK * key_length;
+    float *factors = work + 2 * ATTENTION_BLOCK * key_length;
+    for (int64_t j = 0; j < key_length; ++j) {
         grad_bias[j] = 0.0f;
         for (int64_t c = 0; c < head_dim; ++c) {
             grad_key.start[j * grad_key.row + c] = 0.0f;
             grad_value.start[j * grad_value.row + c] = 0.0f;
         }
     }
-    for (int64_t start = 0; start < length; start += ATTENTION_BLOCK) {
-        const int64_t rows = length - start < ATTENTION_BLOCK ? length - start : ATTENTION_BLOCK;
-        const int64_t width = start + rows;
+    for (int64_t start = 0; start < shape->query_length; start += ATTENTION_BLOCK) {
+        const int64_t rows = shape->query_length - start < ATTENTION_BLOCK ? shape->query_length - start
+                                                                            : ATTENTION_BLOCK;
+        const int64_t width = query_slot(positions, start + rows - 1) + 1;
         const float *query_block = query.start + start * query.row;
         const float *grad_out_block = grad_out.start + start * grad_out.row;
-        sgemm("T", "N", &width, &rows, &head_dim, &scale, key.start, &key.row, query_block, &query.row, &zero,
+        sgemm("T", "N", &width, &rows, &head_dim, &shape->scale, key.start, &key.row, query_block, &query.row, &zero,
               probabilities, &width);
         /* dP (rows x width) = dO_block V^T */
         sgemm("T", "N", &width, &rows, &head_dim, &one, value.start, &value.row, grad_out_block, &grad_out.row,
@@ -350,85 +381,164 @@ static void attend_head_backward(sgemm_fn sgemm, int64_t length, int64_t head_di
             const float *o = out.start + (start + r) * out.row, *d_o = grad_out_block + r * grad_out.row;
             float delta = 0.0f; /* rowsum(dO * O) */
             for (int64_t c = 0; c < head_dim; ++c) delta += d_o[c] * o[c];
-            probabilities_row(probabilities + r * width, bias, start + r + 1, width, log_sum_exp[start + r]);
-            if (dropout > 0.0f)
-                dropout_factors(factors, width, seed, first_index + (uint64_t)((start + r) * length), dropout);
+            probabilities_row(probabilities + r * width, bias, query_slot(positions, start + r) + 1, width,
+                              log_sum_exp[start + r]);
+            if (shape->dropout > 0.0f)
+                dropout_factors(factors, width, shape->seed, first_index + (uint64_t)((start + r) * key_length),
+                                shape->dropout);
             score_gradient_row(probabilities + r * width, grad_scores + r * width, width, delta, grad_bias,
-                               dropout > 0.0f ? factors : 0);
+                               shape->dropout > 0.0f ? factors : 0);
         }
         /* dQ_block = scale dS K, dK[:width] += scale dS^T Q_block, dV[:width] += P^T dO_block */
-        sgemm("N", "N", &head_dim, &rows, &width, &scale, key.start, &key.row, grad_scores, &width, &zero,
+        sgemm("N", "N", &head_dim, &rows, &width, &shape->scale, key.start, &key.row, grad_scores, &width, &zero,
               grad_query.start + start * grad_query.row, &grad_query.row);
-        sgemm("N", "T", &head_dim, &width, &rows, &scale, query_block, &query.row, grad_scores, &width, &one,
+        sgemm("N", "T", &head_dim, &width, &rows, &shape->scale, query_block, &query.row, grad_scores, &width, &one,
               grad_key.start, &grad_key.row);
         sgemm("N", "T", &head_dim, &width, &rows, &one, grad_out_block, &grad_out.row, probabilities, &width, &one,
               grad_value.start, &grad_value.row);
     }
 }
 
+/* One decoding step's attention for one (batch, head) over a cache in the folded layout: the query's first head_dim
+ * channels against each cached key's, plus the key's bias in its channel head_dim; the values' first head_dim
+ * channels. work: length floats. Reading the cache as it is, rather than through SDPA over head_dim + P channels,
+ * also skips the extra channels' arithmetic. */
+VECTOR_CLONES
+static void decode_head(int64_t length, int64_t head_dim, float scale, const float *query, HeadRows key,
+                        HeadRows value, float *out, float *scores)
+{
+    float maximum = -INFINITY;
+    for (int64_t j = 0; j < length; ++j) {
+        const float *k = key.start + j * key.row;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t c = 0; c < head_dim; ++c) dot += query[c] * k[c];
+        const float s = dot * scale + k[head_dim];
+        scores[j] = s;
+        maximum = s > maximum ? s : maximum;
+    }
+    float sums[LANES];
+    for (int l = 0; l < LANES; ++l) sums[l] = 0.0f;
+    int64_t j = 0;
+    for (; j + LANES <= length; j += LANES)
+        for (int l = 0; l < LANES; ++l) {
+            const float p = exp_nonpositive(scores[j + l] - maximum);
+            scores[j + l] = p;
+            sums[l] += p;
+        }
+    for (; j < length; ++j) {
+        const float p = exp_nonpositive(scores[j] - maximum);
+        scores[j] = p;
+        sums[0] += p;
+    }
+    float total = 0.0f;
+    for (int l = 0; l < LANES; ++l) total += sums[l];
+    for (int64_t c = 0; c < head_dim; ++c) out[c] = 0.0f;
+    for (j = 0; j < length; ++j) {
+        const float *v = value.start + j * value.row;
+        const float p = scores[j];
+        for (int64_t c = 0; c < head_dim; ++c) out[c] += p * v[c];
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t c = 0; c < head_dim; ++c) out[c] *= inverse;
+}
+
+/* One decoding step's attention for every (batch, head): query (B, H, 1, >= head_dim), key and value (B, H, length,
+ * > head_dim), the keys' bias in channel head_dim, out (B, H, 1, head_dim), given by data pointer and element
+ * strides (batch, head, position; channels adjacent). Returns 0, or -1 when out of memory. */
+int ega_decode_attention_key_bias(
+    int64_t batch, int64_t heads, int64_t length, int64_t head_dim, float scale, const float *query,
+    const int64_t *query_strides, const float *key, const int64_t *key_strides, const float *value,
+    const int64_t *value_strides, float *out, const int64_t *out_strides, int threads)
+{
+    int failed = 0;
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)length);
+        if (scores == 0) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t index = 0; index < batch * heads; ++index) {
+            if (scores == 0) continue;
+            const int64_t b = index / heads, h = index % heads;
+            decode_head(length, head_dim, scale, head_rows(query, query_strides, b, h).start,
+                        head_rows(key, key_strides, b, h), head_rows(value, value_strides, b, h),
+                        head_rows(out, out_strides, b, h).start, scores);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
 /* Runs `body` for every (b, h), heads shared among `threads` OpenMP threads where the library was built with OpenMP,
- * each thread with `work_floats` floats of work space; the bias of (b, h) is gathered into the last `length` of
- * them. Returns 0, or -1 when out of memory. */
-#define FOR_EACH_HEAD(work_floats, body)                                                                              \
+ * each thread with `rows` rows of key_length floats of work space, the last holding the bias of (b, h) (zeros
+ * without one). Returns 0, or -1 when out of memory. */
+#define FOR_EACH_HEAD(rows, body)                                                                                     \
+    const int64_t key_length = shape->key_length;                                                                     \
     int failed = 0;                                                                                                   \
     (void)threads;                                                                                                    \
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")                                                     \
     {                                                                                                                 \
-        float *work = malloc(sizeof(float) * (size_t)(work_floats));                                                 \
+        float *work = malloc(sizeof(float) * (size_t)((rows) * key_length));                                         \
         if (work == 0) {                                                                                              \
             _Pragma("omp atomic write")                                                                               \
             failed = 1;                                                                                               \
         }                                                                                                             \
         _Pragma("omp for schedule(static)")                                                                           \
-        for (int64_t index = 0; index < batch * heads; ++index) {                                                     \
+        for (int64_t index = 0; index < shape->batch * shape->heads; ++index) {                                       \
             if (work == 0) continue;                                                                                  \
-            const int64_t b = index / heads, h = index % heads;                                                       \
-            const float *bias_head = bias + b * bias_strides[0] + h * bias_strides[1];                                \
-            float *bias_row = work + (work_floats) - length;                                                          \
-            for (int64_t j = 0; j < length; ++j) bias_row[j] = bias_head[j * bias_strides[2]];                        \
+            const int64_t b = index / shape->heads, h = index % shape->heads;                                         \
+            float *bias_row = work + ((rows) - 1) * key_length;                                                       \
+            if (bias) {                                                                                               \
+                const float *bias_head = bias + b * bias_strides[0] + h * bias_strides[1];                            \
+                for (int64_t j = 0; j < key_length; ++j) bias_row[j] = bias_head[j * bias_strides[2]];                \
+            } else {                                                                                                  \
+                for (int64_t j = 0; j < key_length; ++j) bias_row[j] = 0.0f;                                          \
+            }                                                                                                         \
             body;                                                                                                     \
         }                                                                                                             \
         free(work);                                                                                                   \
     }                                                                                                                 \
     return failed ? -1 : 0;
 
-/* Causal attention of `length` queries over as many keys with a per-key logit bias, for every (batch, head):
- * tensors given by their data pointer and element strides (batch, head, position; channels adjacent), bias by
- * (batch, head, position); log_sum_exp (B, H, T) contiguous, or NULL when no backward will follow; attention dropout
- * with probability `dropout` (0: none) drawn from `seed`. */
-int ega_causal_attention_key_bias(
-    sgemm_fn sgemm, int64_t batch, int64_t heads, int64_t length, int64_t head_dim, float scale,
-    const float *query, const int64_t *query_strides, const float *key, const int64_t *key_strides,
-    const float *value, const int64_t *value_strides, const float *bias, const int64_t *bias_strides,
-    float *out, const int64_t *out_strides, float *log_sum_exp, float dropout, uint64_t seed, int threads)
+/* Causal attention with a per-key logit bias for every (batch, head): query (B, H, query_length, D), key and value
+ * (B, H, key_length, D), out (B, H, query_length, D) given by data pointer and element strides (batch, head,
+ * position; channels adjacent), bias (B, H, key_length) by its strides, or NULL; log_sum_exp (B, H, query_length)
+ * contiguous, or NULL when no backward will follow. */
+int ega_attention_forward(
+    sgemm_fn sgemm, const AttentionShape *shape, const float *query, const int64_t *query_strides,
+    const float *key, const int64_t *key_strides, const float *value, const int64_t *value_strides,
+    const float *bias, const int64_t *bias_strides, float *out, const int64_t *out_strides, float *log_sum_exp,
+    int threads)
 {
-    FOR_EACH_HEAD((ATTENTION_BLOCK + 2) * length,
-        attend_head(sgemm, length, head_dim, scale, head_rows(query, query_strides, b, h),
-                    head_rows(key, key_strides, b, h), head_rows(value, value_strides, b, h),
-                    head_rows(out, out_strides, b, h),
-                    log_sum_exp ? log_sum_exp + (b * heads + h) * length : 0, dropout, seed,
-                    (uint64_t)(index * length * length), work))
+    FOR_EACH_HEAD(ATTENTION_BLOCK + 2,
+        attend_head(sgemm, shape, b, h, head_rows(query, query_strides, b, h), head_rows(key, key_strides, b, h),
+                    head_rows(value, value_strides, b, h), bias_row, head_rows(out, out_strides, b, h),
+                    log_sum_exp ? log_sum_exp + index * shape->query_length : 0, work))
 }
 
-/* The gradients of ega_causal_attention_key_bias with respect to query, key, value (written with their strides) and
- * bias (B, H, T, contiguous), from the forward's out and log_sum_exp and the output's gradient. */
-int ega_causal_attention_key_bias_backward(
-    sgemm_fn sgemm, int64_t batch, int64_t heads, int64_t length, int64_t head_dim, float scale,
-    const float *query, const int64_t *query_strides, const float *key, const int64_t *key_strides,
-    const float *value, const int64_t *value_strides, const float *bias, const int64_t *bias_strides,
-    const float *out, const int64_t *out_strides, const float *grad_out, const int64_t *grad_out_strides,
-    const float *log_sum_exp, float dropout, uint64_t seed, float *grad_query, const int64_t *grad_query_strides,
-    float *grad_key, const int64_t *grad_key_strides, float *grad_value, const int64_t *grad_value_strides,
-    float *grad_bias, int threads)
+/* The gradients of ega_attention_forward with respect to query, key, value (written with their strides) and bias
+ * (B, H, key_length, contiguous; NULL when not needed), from the forward's out and log_sum_exp and the output's
+ * gradient. */
+int ega_attention_backward(
+    sgemm_fn sgemm, const AttentionShape *shape, const float *query, const int64_t *query_strides,
+    const float *key, const int64_t *key_strides, const float *value, const int64_t *value_strides,
+    const float *bias, const int64_t *bias_strides, const float *out, const int64_t *out_strides,
+    const float *grad_out, const int64_t *grad_out_strides, const float *log_sum_exp, float *grad_query,
+    const int64_t *grad_query_strides, float *grad_key, const int64_t *grad_key_strides, float *grad_value,
+    const int64_t *grad_value_strides, float *grad_bias, int threads)
 {
-    FOR_EACH_HEAD((2 * ATTENTION_BLOCK + 2) * length,
-        attend_head_backward(sgemm, length, head_dim, scale, head_rows(query, query_strides, b, h),
-                             head_rows(key, key_strides, b, h), head_rows(value, value_strides, b, h),
+    FOR_EACH_HEAD(2 * ATTENTION_BLOCK + 3,
+        attend_head_backward(sgemm, shape, b, h, head_rows(query, query_strides, b, h),
+                             head_rows(key, key_strides, b, h), head_rows(value, value_strides, b, h), bias_row,
                              head_rows(out, out_strides, b, h), head_rows(grad_out, grad_out_strides, b, h),
-                             log_sum_exp + (b * heads + h) * length, dropout, seed,
-                             (uint64_t)(index * length * length), head_rows(grad_query, grad_query_strides, b, h),
-                             head_rows(grad_key, grad_key_strides, b, h),
-                             head_rows(grad_value, grad_value_strides, b, h), grad_bias + (b * heads + h) * length,
+                             log_sum_exp + index * shape->query_length,
+                             head_rows(grad_query, grad_query_strides, b, h), head_rows(grad_key, grad_key_strides, b, h),
+                             head_rows(grad_value, grad_value_strides, b, h),
+                             grad_bias ? grad_bias + index * key_length : work + (2 * ATTENTION_BLOCK + 1) * key_length,
                              work))
 }
 """
@@ -445,15 +555,14 @@ class _GateLayout(ctypes.Structure):
 
 _SIGNATURES = {
     "ega_causal_gate_step": ([ctypes.POINTER(_GateLayout), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64], None),
+                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                              ctypes.c_void_p], None),
     "ega_causal_gate_prefill": ([ctypes.POINTER(_GateLayout), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int], ctypes.c_int),
-    "ega_causal_attention_key_bias": ([ctypes.c_void_p, *(ctypes.c_int64,) * 4, ctypes.c_float,
-                                       *(ctypes.c_void_p,) * 11, ctypes.c_float, ctypes.c_uint64, ctypes.c_int],
+    "ega_attention_forward": ([ctypes.c_void_p] * 13 + [ctypes.c_int], ctypes.c_int),
+    "ega_attention_backward": ([ctypes.c_void_p] * 22 + [ctypes.c_int], ctypes.c_int),
+    "ega_decode_attention_key_bias": ([ctypes.c_int64] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 8 + [ctypes.c_int],
                                       ctypes.c_int),
-    "ega_causal_attention_key_bias_backward": ([ctypes.c_void_p, *(ctypes.c_int64,) * 4, ctypes.c_float,
-                                                *(ctypes.c_void_p,) * 13, ctypes.c_float, ctypes.c_uint64,
-                                                *(ctypes.c_void_p,) * 7, ctypes.c_int], ctypes.c_int),
 }
 
 _lock = threading.Lock()
@@ -566,30 +675,36 @@ def _attention_kernel():
             scores = query @ key.transpose(-1, -2) / 8**0.5 + bias[:, :, None, :]
             scores = scores.masked_fill(torch.ones(70, 70, dtype=torch.bool).triu(1), float("-inf"))
             expected = (scores.softmax(-1) @ value).transpose(1, 2)
-            got, _ = _attention_forward(kernel, qkv, bias, 8**-0.5, False)
+            got, _ = _attention_forward(kernel, query, key, value, bias, None, 8**-0.5, 0.0, 0, False)
             if not torch.allclose(got, expected, atol=1e-5, rtol=1e-4):
-                logger.warning("the compiled attention does not reproduce torch here; EGA layers attend with torch")
+                logger.warning("the compiled attention does not reproduce torch here; layers attend with torch")
                 kernel = None
         _loaded["attention"] = kernel
     return _loaded["attention"]
 
 
+def _check_float32_cpu(*tensors):
+    if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu") for t in tensors):
+        raise ValueError("the compiled attention takes float32 CPU tensors")
+
+
 def causal_attention_with_key_bias(
     qkv: torch.Tensor, bias: torch.Tensor, scaling: float, dropout: float = 0.0
 ) -> torch.Tensor | None:
-    """softmax(q·kᵀ·scaling + bias_k)·v with query i seeing keys 0 … i, in C (``ega_causal_attention_key_bias`` and
-    its backward): the gated attention without the folded channel, which costs SDPA's kernel 10-15% more time than
+    """softmax(q·kᵀ·scaling + bias_k)·v with query i seeing keys 0 … i, in C (``ega_attention_forward`` and its
+    backward): EGA's gated attention without the folded channel, which costs SDPA's kernels 10-20% more time than
     the bias itself.
 
     Args:
         qkv: (B, T, 3, H, D) float32 on CPU, queries, keys and values, channels adjacent, other strides free (a view
             into a fused projection's output); bias: (B, H, T), any strides.
         scaling: the scores' scale (1/√D).
-        dropout: attention dropout probability (the mask comes from torch's random generator).
+        dropout: attention dropout probability (the mask's seed comes from torch's random generator).
 
     Returns:
         the attention output (B, T, H, D), contiguous, or ``None`` where the kernel is not available (then the caller
-        attends with torch). Differentiable with respect to ``qkv`` and ``bias``.
+        attends with torch). Differentiable with respect to ``qkv`` and ``bias``; the gradient of ``qkv`` comes as
+        one (B, T, 3, H, D) tensor.
     """
     if qkv.dim() != 5 or qkv.shape[2] != 3 or qkv.stride(-1) != 1 or qkv.stride(3) < qkv.shape[-1] or (
         qkv.stride(1) < qkv.shape[-1]
@@ -599,73 +714,180 @@ def causal_attention_with_key_bias(
     batch, length, _, heads, _ = qkv.shape
     if bias.shape != (batch, heads, length):
         raise ValueError(f"bias must have shape {(batch, heads, length)}, got {tuple(bias.shape)}")
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (qkv, bias)):
-        raise ValueError("the compiled attention takes float32 CPU tensors")
+    _check_float32_cpu(qkv, bias)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     kernel = _attention_kernel()
     if kernel is None:
         return None
-    return _CausalAttentionWithKeyBias.apply(qkv, bias, scaling, float(dropout), kernel)
+    return _CompiledAttention.apply(qkv, None, None, bias, None, scaling, float(dropout), kernel)
+
+
+def causal_attention_at_positions(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, scaling: float,
+    dropout: float = 0.0,
+) -> torch.Tensor | None:
+    """Causal attention of queries gathered from some positions (CHIAR's routed tokens) over all keys, in C: query r
+    of row b sits at key slot ``positions[b, r]`` and sees keys 0 … that slot, and only the keys its block of queries
+    can see are computed, so the work falls with the number of queries as a dense causal kernel's does with T.
+
+    Args:
+        query: (B, H, M, D); key, value: (B, H, S, D); float32 on CPU, channels adjacent, other strides free.
+        positions: (B, M) integer key slots, ascending within each row, each in [0, S).
+        scaling: the scores' scale; dropout: attention dropout probability.
+
+    Returns:
+        (B, M, H, D), contiguous, or ``None`` where the kernel is not available. Differentiable with respect to
+        query, key and value.
+    """
+    batch, heads, count, head_dim = query.shape
+    if key.shape[:2] != (batch, heads) or key.shape[3] != head_dim or value.shape != key.shape:
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} do not "
+                         "fit (B, H, M, D), (B, H, S, D), (B, H, S, D)")
+    if any(t.stride(-1) != 1 or t.stride(2) < head_dim for t in (query, key, value)):
+        raise ValueError("query, key and value need adjacent channels")
+    if positions.shape != (batch, count) or positions.dtype.is_floating_point:
+        raise ValueError(f"positions must be integers of shape {(batch, count)}, got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    _check_float32_cpu(query, key, value)
+    if count and (int(positions.min()) < 0 or int(positions.max()) >= key.shape[2]
+                  or bool((positions[:, 1:] < positions[:, :-1]).any())):
+        raise ValueError(f"positions must ascend within each row and lie in [0, {key.shape[2]})")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    kernel = _attention_kernel()
+    if kernel is None:
+        return None
+    positions = positions.to(torch.int64).contiguous()
+    return _CompiledAttention.apply(query, key, value, None, positions, scaling, float(dropout), kernel)
+
+
+def decoding_attention_with_key_bias(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_dim: int, scaling: float
+) -> torch.Tensor | None:
+    """One decoding step of EGA's gated attention over a KV cache in the folded layout, in C: softmax over the cached
+    keys of q·k·scaling + bias_k, with q and k their first ``head_dim`` channels and bias_k the key's channel
+    ``head_dim``, weighting the values' first ``head_dim`` channels. (SDPA over the head_dim + P folded channels
+    costs 20% more than over head_dim at batch 32.)
+
+    Args:
+        query: (B, H, 1, ≥ head_dim); key, value: (B, H, S, > head_dim); float32 on CPU, channels adjacent, other
+            strides free.
+
+    Returns:
+        (B, 1, H, head_dim), contiguous, or ``None`` where the kernel is not available. No autograd.
+    """
+    batch, heads = query.shape[:2]
+    if query.shape[2] != 1 or key.shape[:2] != (batch, heads) or value.shape[:3] != key.shape[:3] or (
+        min(query.shape[3], value.shape[3]) < head_dim or key.shape[3] <= head_dim
+    ):
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} are not "
+                         f"one decoding step over a folded cache with head_dim {head_dim}")
+    if any(t.stride(-1) != 1 for t in (query, key, value)):
+        raise ValueError("query, key and value need adjacent channels")
+    _check_float32_cpu(query, key, value)
+    kernel = _attention_kernel()
+    if kernel is None:
+        return None
+    out = query.new_empty(batch, 1, heads, head_dim)
+    pointers = _Pointers(query, key, value, out.transpose(1, 2))
+    if kernel[0].ega_decode_attention_key_bias(
+        batch, heads, key.shape[2], head_dim, scaling, *pointers.arguments, torch.get_num_threads()
+    ) != 0:
+        raise MemoryError("out of memory in the compiled attention")
+    return out
+
+
+class _AttentionShape(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("batch", "heads", "query_length", "key_length", "head_dim")),
+        ("scale", ctypes.c_float), ("dropout", ctypes.c_float), ("seed", ctypes.c_uint64), ("positions", ctypes.c_void_p),
+    ]
 
 
 class _Pointers:
-    """Data pointers and (batch, head, position) element strides of (B, H, T, …) tensors, as the C functions take
-    them; the stride arrays live as long as this object."""
+    """Data pointers and (batch, head, position) element strides of (B, H, N, …) tensors, as the C functions take
+    them (``None`` for a missing tensor); the stride arrays live as long as this object."""
 
     def __init__(self, *tensors):
-        self._strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in tensors]
-        self.arguments = [x for t, s in zip(tensors, self._strides) for x in (t.data_ptr(), ctypes.addressof(s))]
+        self._strides = [None if t is None else (ctypes.c_int64 * 3)(*t.stride()[:3]) for t in tensors]
+        self.arguments = [
+            x for t, s in zip(tensors, self._strides)
+            for x in ((None, None) if t is None else (t.data_ptr(), ctypes.addressof(s)))
+        ]
 
 
-def _attention_forward(kernel, qkv, bias, scaling, with_log_sum_exp, dropout=0.0, seed=0):
+def _attention_forward(kernel, query, key, value, bias, positions, scaling, dropout, seed, with_log_sum_exp):
+    """Runs ``ega_attention_forward`` on (B, H, ·, D) views; returns the output (B, M, H, D) and the log-sum-exp."""
     library, sgemm = kernel
-    batch, length, _, heads, head_dim = qkv.shape
-    query, key, value = qkv.unbind(2)
-    out = qkv.new_empty(batch, length, heads, head_dim)
-    log_sum_exp = qkv.new_empty(batch, heads, length) if with_log_sum_exp else None
-    pointers = _Pointers(*(t.transpose(1, 2) for t in (query, key, value)), bias, out.transpose(1, 2))
-    if library.ega_causal_attention_key_bias(
-        sgemm, batch, heads, length, head_dim, scaling, *pointers.arguments,
-        None if log_sum_exp is None else log_sum_exp.data_ptr(), dropout, seed, torch.get_num_threads(),
+    batch, heads, count, head_dim = query.shape
+    shape = _AttentionShape(batch, heads, count, key.shape[2], head_dim, scaling, dropout, seed,
+                            None if positions is None else positions.data_ptr())
+    out = query.new_empty(batch, count, heads, head_dim)
+    log_sum_exp = query.new_empty(batch, heads, count) if with_log_sum_exp else None
+    pointers = _Pointers(query, key, value, bias, out.transpose(1, 2))
+    if library.ega_attention_forward(
+        sgemm, ctypes.byref(shape), *pointers.arguments, None if log_sum_exp is None else log_sum_exp.data_ptr(),
+        torch.get_num_threads(),
     ) != 0:
         raise MemoryError("out of memory in the compiled attention")
     return out, log_sum_exp
 
 
-class _CausalAttentionWithKeyBias(torch.autograd.Function):
-    """The C forward and backward as one autograd node; the backward recomputes the probabilities from the
-    forward's log-sum-exp, as flash attention does, so nothing of size T² is kept."""
+def _qkv_views(query_or_qkv, key, value):
+    """(B, H, ·, D) views of the queries, keys and values: from one (B, T, 3, H, D) tensor when key is None."""
+    if key is None:
+        return tuple(t.transpose(1, 2) for t in query_or_qkv.unbind(2))
+    return query_or_qkv, key, value
+
+
+class _CompiledAttention(torch.autograd.Function):
+    """The C forward and backward as one autograd node. Inputs: either one qkv tensor (B, T, 3, H, D) with key and
+    value ``None`` (its gradient then comes as one tensor, not three to stack), or query, key, value (B, H, ·, D).
+    The backward recomputes the probabilities from the forward's log-sum-exp, as flash attention does, and the
+    dropout mask from its seed, so nothing of size T² is kept."""
 
     @staticmethod
-    def forward(ctx, qkv, bias, scaling, dropout, kernel):
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    def forward(ctx, query_or_qkv, key, value, bias, positions, scaling, dropout, kernel):
+        needs_grad = any(ctx.needs_input_grad[:4])
         # the mask's seed from torch's generator, so that torch.manual_seed makes dropout reproducible
         seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
-        out, log_sum_exp = _attention_forward(kernel, qkv, bias, scaling, needs_grad, dropout, seed)
+        query, key_view, value_view = _qkv_views(query_or_qkv, key, value)
+        out, log_sum_exp = _attention_forward(
+            kernel, query, key_view, value_view, bias, positions, scaling, dropout, seed, needs_grad
+        )
         if needs_grad:
-            ctx.save_for_backward(qkv, bias, out, log_sum_exp)
+            ctx.save_for_backward(query_or_qkv, key, value, bias, positions, out, log_sum_exp)
             ctx.scaling, ctx.dropout, ctx.seed, ctx.kernel = scaling, dropout, seed, kernel
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qkv, bias, out, log_sum_exp = ctx.saved_tensors
+        query_or_qkv, key, value, bias, positions, out, log_sum_exp = ctx.saved_tensors
         library, sgemm = ctx.kernel
-        batch, length, _, heads, head_dim = qkv.shape
+        query, key_view, value_view = _qkv_views(query_or_qkv, key, value)
+        batch, heads, count, head_dim = query.shape
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
-        grad_qkv = qkv.new_empty(batch, length, 3, heads, head_dim)
-        grad_bias = bias.new_empty(batch, heads, length)
-        tensors = _Pointers(*(t.transpose(1, 2) for t in qkv.unbind(2)), bias, out.transpose(1, 2),
-                            grad_out.transpose(1, 2))
-        grads = _Pointers(*(g.transpose(1, 2) for g in grad_qkv.unbind(2)))
-        if library.ega_causal_attention_key_bias_backward(
-            sgemm, batch, heads, length, head_dim, ctx.scaling, *tensors.arguments, log_sum_exp.data_ptr(),
-            ctx.dropout, ctx.seed, *grads.arguments, grad_bias.data_ptr(), torch.get_num_threads(),
+        if key is None:
+            grad_first = torch.empty_like(query_or_qkv, memory_format=torch.contiguous_format)
+            grads = _qkv_views(grad_first, None, None)
+        else:
+            grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
+            grad_first = grads[0]
+        grad_bias = None if bias is None else bias.new_empty(batch, heads, key_view.shape[2])
+        shape = _AttentionShape(batch, heads, count, key_view.shape[2], head_dim, ctx.scaling, ctx.dropout, ctx.seed,
+                                None if positions is None else positions.data_ptr())
+        tensors = _Pointers(query, key_view, value_view, bias, out.transpose(1, 2), grad_out.transpose(1, 2))
+        grad_pointers = _Pointers(*grads)
+        if library.ega_attention_backward(
+            sgemm, ctypes.byref(shape), *tensors.arguments, log_sum_exp.data_ptr(), *grad_pointers.arguments,
+            None if grad_bias is None else grad_bias.data_ptr(), torch.get_num_threads(),
         ) != 0:
             raise MemoryError("out of memory in the compiled attention")
-        return grad_qkv, grad_bias, None, None, None
+        if key is None:
+            return grad_first, None, None, grad_bias, None, None, None, None
+        return grads[0], grads[1], grads[2], grad_bias, None, None, None, None
 
 
 class CompiledCausalGate:
@@ -694,13 +916,15 @@ class CompiledCausalGate:
         self._layout_pointer = ctypes.pointer(self.layout)
         self._step, self._prefill = library.ega_causal_gate_step, library.ega_causal_gate_prefill
 
-    def step(self, rows: torch.Tensor, values: torch.Tensor, past_length: int) -> None:
+    def step(self, rows: torch.Tensor, values: torch.Tensor, past_length: int) -> torch.Tensor:
         """One decoding step after ``past_length`` ≥ 1 cached keys: rows (B, 1, N); values (B, H, ≥ past_length,
         D + P), the layer's cached values, whose key ``past_length`` − 1 holds the running moments. The new moments
-        go to the rows' value channels."""
+        go to the rows' value channels; returns the rows' queries, keys and values, (3, B, H, 1, D + P) contiguous."""
         strides = values.stride()
+        qkv = rows.new_empty(3, rows.shape[0], self.layout.heads, 1, self.layout.head_stride)
         self._step(self._layout_pointer, rows.data_ptr(), rows.stride(0), rows.shape[0],
-                   values.data_ptr(), strides[0], strides[1], strides[2], past_length)
+                   values.data_ptr(), strides[0], strides[1], strides[2], past_length, qkv.data_ptr())
+        return qkv
 
     def prefill(self, rows: torch.Tensor) -> None:
         """The first T positions of each sequence, without padding: rows (B, T, N); the running moments go to the

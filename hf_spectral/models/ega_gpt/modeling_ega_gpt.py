@@ -40,7 +40,12 @@ try:  # what output_gate_values=True switches on; private, hence the fallback (e
 except ImportError:  # pragma: no cover - depends on the transformers version
     _active_output_collector = None
 
-from .compiled_kernels import CompiledCausalGate, causal_attention_with_key_bias, compiled_library
+from .compiled_kernels import (
+    CompiledCausalGate,
+    causal_attention_with_key_bias,
+    compiled_library,
+    decoding_attention_with_key_bias,
+)
 from .configuration_ega_gpt import EGAConfig
 from .energy_gate import (
     DerivedTensors,
@@ -122,8 +127,7 @@ class CompiledDecodingPlan(NamedTuple):
     qkv_bias: torch.Tensor
     out_weight: torch.Tensor
     out_bias: torch.Tensor | None
-    qkv_shape: tuple[int, int, int]
-    qkv_columns: int
+    head_width: int  # channels per cached head: head_dim + the folded channels
     gate: CompiledCausalGate
 
 
@@ -386,8 +390,7 @@ class EGAAttention(nn.Module):
         return CompiledDecodingPlan(
             qkv_weight, qkv_bias,
             folded_output_weight(self.c_proj.weight, self.num_heads, width), self.c_proj.bias,
-            (3, self.num_heads, self.head_dim + width), 3 * self.num_heads * (self.head_dim + width),
-            compiled_gate,
+            self.head_dim + width, compiled_gate,
         )
 
     def _compiled_step_past(self, plan: CompiledDecodingPlan, hidden_states, cache) -> int:
@@ -406,7 +409,7 @@ class EGAAttention(nn.Module):
             and values.shape[0] == hidden_states.shape[0]
             and values.shape[1] == self.num_heads
             and values.shape[2] >= past_length
-            and values.shape[3] == plan.qkv_shape[2]
+            and values.shape[3] == plan.head_width
             and values.stride(3) == 1
             and values.device.type == "cpu"
         )
@@ -419,10 +422,12 @@ class EGAAttention(nn.Module):
         projected = nn.functional.linear(hidden_states, plan.qkv_weight, plan.qkv_bias)
         if projected.dtype != torch.float32:  # autocast: the C code reads and writes float32 only
             return self._gated_forward(hidden_states, attention_mask, None, cache, **kwargs)
-        plan.gate.step(projected, cache.layers[self.layer_idx].values, past_length)
-        qkv = projected.narrow(-1, 0, plan.qkv_columns).view(batch, 1, *plan.qkv_shape)
-        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        key, value = cache.update(key.contiguous(), value.contiguous(), self.layer_idx)
+        query, key, value = plan.gate.step(projected, cache.layers[self.layer_idx].values, past_length).unbind(0)
+        key, value = cache.update(key, value, self.layer_idx)
+        if self._compiled_attention_applies(attention_mask, None):  # no mask: every cached key is visible
+            attn_output = decoding_attention_with_key_bias(query, key, value, self.head_dim, self.scaling)
+            if attn_output is not None:
+                return self.resid_dropout(self.c_proj(attn_output.view(batch, 1, -1))), None
         attn_output, attn_weights = self._attend(query, key, value, attention_mask, **kwargs)
         attn_output = nn.functional.linear(attn_output.reshape(batch, 1, -1), plan.out_weight, plan.out_bias)
         return self.resid_dropout(attn_output), attn_weights

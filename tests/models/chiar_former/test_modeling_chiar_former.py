@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
 
 from hf_spectral import ChiarConfig, ChiarForCausalLM, ChiarForSequenceClassification, ChiarModel
-from hf_spectral.models.chiar_former import calibrate_thresholds, count_flops
+from hf_spectral.models.chiar_former import calibrate_thresholds, count_flops, modeling_chiar_former
 from hf_spectral.models.chiar_former.spectral_ops import threshold_routes
 
 from ...helpers import load_without_plugin, perturb_after
@@ -421,6 +421,61 @@ def test_chunked_sparse_attention_equals_dense_on_long_sequences():
     assert attention_queries >= 192  # ≥ 3 chunks of 64 queries
     valid = mask.bool()
     torch.testing.assert_close(out_sparse.logits[valid], out_dense.logits[valid], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def compiled_routed_calls(monkeypatch):
+    """Counts calls of the compiled attention for routed queries (``causal_attention_at_positions``)."""
+    calls = []
+    compiled = modeling_chiar_former._compiled_routed_attention()
+    assert compiled is not None  # this test environment has the plugin and a C compiler
+
+    def counting(*args):
+        calls.append(args[0].shape[2])
+        return compiled(*args)
+
+    monkeypatch.setattr(modeling_chiar_former, "_compiled_routed_attention", lambda: counting)
+    return calls
+
+
+@pytest.mark.parametrize("variant", ["threshold-2", "hard-3"])
+def test_routed_attention_without_padding_runs_compiled_and_equals_dense_and_the_torch_chunks(
+    variant, compiled_routed_calls, monkeypatch
+):
+    """Unpadded causal routed layers attend through the compiled kernel (blocks of 64 gathered queries, each against
+    the keys its last query sees): logits and gradients equal the dense one-hot formulation and the torch chunks."""
+    ids = random_ids(2, 300, seed=21)
+    config = tiny_config(max_position_embeddings=512, **CAUSAL_VARIANTS[variant])
+    sparse = build(ChiarForCausalLM, config, calibrate_on=ids, percentiles=None)
+
+    def run(model):
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        return out.logits.detach(), grads
+
+    logits, grads = run(sparse)
+    assert len(compiled_routed_calls) >= 4 and max(compiled_routed_calls) > 64  # two rows, two layers, ≥ 2 blocks
+    dense_logits, dense_grads = run(_dense_twin(sparse))
+    monkeypatch.setattr(modeling_chiar_former, "_compiled_routed_attention", lambda: None)
+    torch_logits, torch_grads = run(sparse)
+    for other_logits, other_grads in ((dense_logits, dense_grads), (torch_logits, torch_grads)):
+        torch.testing.assert_close(logits, other_logits, atol=1e-5, rtol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, other_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_compiled_routed_attention_is_causal(compiled_routed_calls):
+    ids = random_ids(2, 160, seed=22)
+    model = build(ChiarForCausalLM, tiny_config(max_position_embeddings=256), calibrate_on=ids)
+    with torch.no_grad():
+        reference = model(ids).logits
+        for position in (40, 100):
+            changed = model(perturb_after(ids, position, VOCAB)).logits
+            assert torch.equal(changed[:, : position + 1], reference[:, : position + 1])
+            assert not torch.allclose(changed[:, position + 1 :], reference[:, position + 1 :])
+    assert compiled_routed_calls
 
 
 def test_a_loss_builds_no_cache_unless_asked():

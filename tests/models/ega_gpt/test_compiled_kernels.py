@@ -7,8 +7,10 @@ from hf_spectral.models.ega_gpt import compiled_kernels
 from hf_spectral.models.ega_gpt import modeling_ega_gpt
 from hf_spectral.models.ega_gpt.compiled_kernels import (
     CompiledCausalGate,
+    causal_attention_at_positions,
     causal_attention_with_key_bias,
     compiled_library,
+    decoding_attention_with_key_bias,
 )
 from hf_spectral.models.ega_gpt.energy_gate import (
     DerivedTensors,
@@ -492,3 +494,88 @@ def test_a_cache_built_with_autograd_through_the_compiled_attention_continues_li
     assert attention_calls == [True] * 2
     step = model(ids[:, -1:], cache=out.cache).logits[:, -1]
     torch.testing.assert_close(step, model(ids).logits[:, -1], atol=1e-5, rtol=0)
+
+
+def random_positions(batch, count, keys, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(keys, generator=generator)[:count].sort().values for _ in range(batch)])
+
+
+@needs_compiler
+@pytest.mark.parametrize("count, keys", [(1, 5), (40, 300), (130, 200), (200, 200)])
+def test_compiled_attention_at_positions_and_its_gradients_equal_the_long_way(count, keys):
+    """Gathered queries (CHIAR's routed tokens) at ascending key slots against all keys, without bias."""
+    batch, heads, head_dim = 2, 3, 16
+    generator = torch.Generator().manual_seed(count)
+    query = torch.randn(batch, count, heads, head_dim, generator=generator).transpose(1, 2).requires_grad_()
+    key, value = (torch.randn(batch, heads, keys, head_dim, generator=generator).requires_grad_() for _ in range(2))
+    positions = random_positions(batch, count, keys, seed=count)
+    upstream = torch.randn(batch, count, heads, head_dim, generator=generator)
+    out = causal_attention_at_positions(query, key, value, positions, 0.25)
+    grads = torch.autograd.grad((out * upstream).sum(), (query, key, value))
+    scores = query @ key.transpose(-1, -2) * 0.25
+    hidden = torch.arange(keys)[None, None, None, :] > positions[:, None, :, None]
+    expected = (scores.masked_fill(hidden, float("-inf")).softmax(-1) @ value).transpose(1, 2)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (query, key, value))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@needs_compiler
+def test_compiled_attention_at_positions_rejects_what_it_cannot_take():
+    query, key = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 10, 8)
+    positions = torch.tensor([[1, 3, 5, 9]])
+    with pytest.raises(ValueError, match="ascend"):
+        causal_attention_at_positions(query, key, key, positions.flip(1), 0.3)
+    with pytest.raises(ValueError, match="ascend"):
+        causal_attention_at_positions(query, key, key, positions + 1, 0.3)  # slot 10 of 10 keys
+    with pytest.raises(ValueError, match="positions must be integers"):
+        causal_attention_at_positions(query, key, key, positions.float(), 0.3)
+    with pytest.raises(ValueError, match="do not fit"):
+        causal_attention_at_positions(query, key[..., :4], key[..., :4], positions, 0.3)
+    with pytest.raises(ValueError, match="adjacent channels"):
+        causal_attention_at_positions(query.transpose(-1, -2).contiguous().transpose(-1, -2), key, key, positions, 0.3)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("length", [1, 17, 100])
+def test_decoding_attention_over_a_folded_cache_equals_sdpa_over_the_folded_channels(length, threads):
+    batch, heads, head_dim, width = 3, 2, 16, 2
+    generator = torch.Generator().manual_seed(length)
+    query = torch.randn(batch, heads, 1, head_dim + width, generator=generator)
+    query[..., head_dim] = head_dim**0.5  # the folded query: 1 / scaling, then zeros
+    query[..., head_dim + 1 :] = 0
+    key, value = torch.randn(2, batch, length, heads, head_dim + width, generator=generator).transpose(2, 3)
+    key[..., head_dim] = -4 * torch.rand(batch, heads, length, generator=generator)  # the keys' bias
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = decoding_attention_with_key_bias(query, key, value, head_dim, head_dim**-0.5)
+    finally:
+        torch.set_num_threads(previous)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=head_dim**-0.5)
+    assert out.shape == (batch, 1, heads, head_dim)
+    torch.testing.assert_close(out, expected[..., :head_dim].transpose(1, 2), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="not one decoding step"):
+        decoding_attention_with_key_bias(query, key[..., :head_dim], value, head_dim, 0.25)
+
+
+@needs_compiler
+def test_generation_decodes_with_the_compiled_attention_and_equals_the_uncached_forward(monkeypatch):
+    calls = []
+
+    def counting(*args):
+        calls.append(args[1].shape[2])
+        return decoding_attention_with_key_bias(*args)
+
+    monkeypatch.setattr(modeling_ega_gpt, "decoding_attention_with_key_bias", counting)
+    model = tiny_model("EGA-2")
+    ids = padded_batch()[0][:, 5:]
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert calls == [length for length in range(10, 14) for _ in range(model.config.num_hidden_layers)]
+    with torch.no_grad():
+        full = model(out.sequences).logits
+    for step, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
