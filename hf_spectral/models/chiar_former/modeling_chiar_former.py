@@ -266,11 +266,13 @@ class ChiarAttention(nn.Module):
         """Dense: (B, T, d) -> (B, T, d) with the model's ``attention_mask``. Sparse: -> (N, d), the outputs of the
         N tokens selected by ``queries`` in ``queries.nonzero()`` order; masks are built here from ``key_valid``
         (B, past + T) and the query slots."""
-        # (batch, heads, positions, head_dim) made contiguous: the CPU attention kernels run ≈ 10% faster on it
-        # than on the transposed projection, and the routed chunks slice it by key prefix.
+        # (batch, heads, positions, head_dim) made contiguous: SDPA's CPU kernels run ≈ 10% faster on it than on
+        # the transposed projection. The compiled kernel for routed queries reads any strides: no copies.
         key, value = self.kv_proj(hidden_states).chunk(2, dim=-1)
-        key = apply_rotary(self._heads(key), rotary).transpose(1, 2).contiguous()
-        value = self._heads(value).transpose(1, 2).contiguous()
+        key = apply_rotary(self._heads(key), rotary).transpose(1, 2)
+        value = self._heads(value).transpose(1, 2)
+        if queries is None or not self._compiled_sparse_applies(key, key_valid):
+            key, value = key.contiguous(), value.contiguous()
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         if queries is None:
@@ -298,9 +300,10 @@ class ChiarAttention(nn.Module):
         count; causal queries go in chunks, each against the key prefix its last query can see, so that most future
         keys are skipped as a dense causal kernel skips them."""
         counts = torch.bincount(rows, minlength=key.shape[0]).tolist()
-        compiled = self._attend_sparse_compiled(query, key, value, slots, counts, key_valid)
-        if compiled is not None:
-            return compiled
+        if self._compiled_sparse_applies(key, key_valid):
+            compiled = self._attend_sparse_compiled(query, key, value, slots, counts)
+            if compiled is not None:
+                return compiled
         outputs = []
         for row, row_query, row_slots in zip(range(key.shape[0]), query.split(counts), slots.split(counts)):
             if row_query.shape[0] == 0:
@@ -321,19 +324,23 @@ class ChiarAttention(nn.Module):
                 outputs.append(out[0])
         return torch.cat(outputs, 0)
 
-    def _attend_sparse_compiled(self, query, key, value, slots, counts, key_valid) -> torch.Tensor | None:
-        """``_attend_sparse`` through the compiled attention, which computes for each block of 64 routed queries only
-        the keys its last query sees, with no mask tensor: causal layers without padding on the SDPA backend, in
-        float32 on CPU. ``None`` where that does not apply or the kernel is not available."""
-        if not (
+    def _compiled_sparse_applies(self, key, key_valid) -> bool:
+        """Whether routed queries may attend through the compiled kernel (``_attend_sparse_compiled``): causal
+        layers without padding on the SDPA backend, in float32 on CPU, and the plugin's kernel available."""
+        return (
             self.is_causal
             and key_valid is None
             and self.config._attn_implementation == "sdpa"
-            and query.dtype == key.dtype == torch.float32
-            and query.device.type == "cpu"
+            and key.dtype == torch.float32
+            and key.device.type == "cpu"
             and not torch.is_autocast_enabled("cpu")
-        ):
-            return None
+            and _compiled_routed_attention() is not None
+        )
+
+    def _attend_sparse_compiled(self, query, key, value, slots, counts) -> torch.Tensor | None:
+        """``_attend_sparse`` through the compiled attention, which computes for each block of 64 routed queries only
+        the keys its last query sees, with no mask tensor. ``None`` where the kernel turns out not to be available
+        (``_compiled_sparse_applies`` checks the rest)."""
         attend = _compiled_routed_attention()
         if attend is None:
             return None
