@@ -46,16 +46,22 @@ ANALYSIS = """\
 
 - Keys and values come from every token (SPEC 2.1), so a routed layer still projects K and V for all tokens: at
   25% routing the projections fall only to ≈ 62% (counter: `attn_flop_reduction_L2` is 62% at T = 2048, not 75%).
-- The dense layer runs SDPA's causal flash kernel: large query blocks, blocks above the diagonal skipped. The routed
-  queries are attended per batch row in key-prefix chunks of ≈ 64 queries, each a masked SDPA call against the keys
-  its last query can see: ≈ (1 + 1/n) / 2 of the routed-query × key pairs with n chunks. With small query blocks and
-  an explicit mask the CPU kernel spends ≈ 2× more time per pair than the causal kernel, so the kernel time falls
-  ≈ 35-45% where the visible pairs fall ≈ 75%.
-- Alternatives measured for the routed kernel (time relative to the dense causal kernel, same process): one masked
-  call over all keys ≈ 0.66; queries padded across the batch with shared chunks ≈ 0.5-0.6; per-row chunks of 32-128
-  queries ≈ 0.4-0.6 (kept: 64 queries, at most 8 chunks); boolean instead of additive masks: slower; explicit
-  matmul + softmax per chunk: slower; unmasked prefix + masked diagonal merged through the log-sum-exp of the
-  private `_scaled_dot_product_flash_attention_for_cpu` op: no gain.
+- The dense layer runs SDPA's causal flash kernel: large query blocks, blocks above the diagonal skipped. Routed
+  queries (causal, unpadded, float32 on CPU) go through the package's compiled attention
+  (`models/ega_gpt/compiled_kernels.py`, `causal_attention_at_positions`), per batch row: blocks of 64 gathered
+  queries, each block's scores against the keys its last query sees in one BLAS product, the causal cut by index in
+  the row softmax (no mask tensor), the weighted values in a second product; keys and values are read where the
+  projection left them (no contiguous copies). The blocks compute ≈ 10% more (query, key) pairs than the routed
+  queries see, the rest of the gap to the counter's −74% is per-pair efficiency at 64-row products.
+- Before the compiled kernel (stop 7-10), routed queries went through masked SDPA calls on key-prefix chunks of
+  ≈ 64 queries: with small query blocks and an explicit mask the CPU kernel spent ≈ 2× more time per pair than the
+  causal kernel (kernel time −38..44% where the pairs fall ≈ 75%; layer-2 attention −32..35%, forward ×1.15-1.20).
+  That path remains for padded batches, other backends and dtypes, and models loaded with `trust_remote_code`
+  without the plugin. Measured alternatives then (relative to the dense causal kernel): one masked call over all
+  keys ≈ 0.66; queries padded across the batch ≈ 0.5-0.6; per-row chunks of 32-128 queries ≈ 0.4-0.6; boolean
+  masks, explicit matmul + softmax per chunk, and a log-sum-exp merge through the private
+  `_scaled_dot_product_flash_attention_for_cpu` op: no gain. Compiled-kernel blocks of 32 or 128 queries instead of
+  64: no measurable change.
 - The FFNs (4×, exact GELU, ≈ 30% of the baseline forward at T = 2048), the LayerNorms, the LM head and the last
   layer's full attention are the same in both models: even the counter's total-FLOP reduction at T = 2048 (30%)
   would give only ≈ 1.43×, so 1.3× needs the routed layers to run close to their FLOP count.
@@ -135,7 +141,8 @@ def routed_attention_inputs(model, ids):
 
 def attention_kernel_times(routed_attention, dense_attention, states, phases, queries, repeats) -> dict:
     """The attention kernel alone (scores, softmax, weighted values) on the projected queries, keys and values:
-    the routed layer's key-prefix chunks of routed queries vs the dense layer's causal SDPA over all queries."""
+    the routed layer's routed queries (the compiled kernel where it applies) vs the dense layer's causal SDPA over all
+    queries."""
     with torch.no_grad():
         key, value = dense_attention.kv_proj(states).chunk(2, dim=-1)
         key = apply_rotary(dense_attention._heads(key), phases).transpose(1, 2).contiguous()

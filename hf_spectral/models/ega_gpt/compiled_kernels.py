@@ -98,17 +98,18 @@ static void gate_position(const GateLayout *layout, float *row, const float *old
     }
 }
 
-/* One decoding step for `batch` rows, rows[b*row_stride + column]. values: the layer's cached values
- * (B, H, past_count, head_stride) with the given element strides, whose last key holds the running moments in its
- * channels head_dim .. head_dim + 2*scales - 1; the new moments go to the row's value state channels. Then the
+/* One decoding step for `batch` rows, rows[b*row_stride + column], after past_count keys. last_values: the value
+ * row (B, H, head_stride; given strides) of the last of them, which holds the running moments in its channels
+ * head_dim .. head_dim + 2*scales - 1 (in the cache, or the previous step's output); the new moments go to the
+ * row's value state channels. Then the
  * rows' queries, keys and values are copied to qkv_out (3, B, H, head_stride), contiguous: the layouts the
  * attention and the cache take, without the half-dozen tensor ops that would make them. */
 void ega_causal_gate_step(
     const GateLayout *layout, float *rows, int64_t row_stride, int64_t batch,
-    const float *values, int64_t value_batch_stride, int64_t value_head_stride, int64_t value_key_stride,
-    int64_t past_count, float *qkv_out)
+    const float *last_values, int64_t value_batch_stride, int64_t value_head_stride, int64_t past_count,
+    float *qkv_out)
 {
-    const float *last = values + (past_count - 1) * value_key_stride + layout->head_dim;
+    const float *last = last_values + layout->head_dim;
     const int64_t part = layout->heads * layout->head_stride;
     /* The moments sit one cache line per (row, head) across a cache of megabytes: ask for all of them at once, so
      * that the misses overlap instead of stalling the gate one after another. */
@@ -555,8 +556,7 @@ class _GateLayout(ctypes.Structure):
 
 _SIGNATURES = {
     "ega_causal_gate_step": ([ctypes.POINTER(_GateLayout), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                              ctypes.c_void_p], None),
+                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p], None),
     "ega_causal_gate_prefill": ([ctypes.POINTER(_GateLayout), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int], ctypes.c_int),
     "ega_attention_forward": ([ctypes.c_void_p] * 13 + [ctypes.c_int], ctypes.c_int),
@@ -916,14 +916,16 @@ class CompiledCausalGate:
         self._layout_pointer = ctypes.pointer(self.layout)
         self._step, self._prefill = library.ega_causal_gate_step, library.ega_causal_gate_prefill
 
-    def step(self, rows: torch.Tensor, values: torch.Tensor, past_length: int) -> torch.Tensor:
-        """One decoding step after ``past_length`` ≥ 1 cached keys: rows (B, 1, N); values (B, H, ≥ past_length,
-        D + P), the layer's cached values, whose key ``past_length`` − 1 holds the running moments. The new moments
-        go to the rows' value channels; returns the rows' queries, keys and values, (3, B, H, 1, D + P) contiguous."""
+    def step(self, rows: torch.Tensor, values: torch.Tensor, position: int, past_length: int) -> torch.Tensor:
+        """One decoding step after ``past_length`` ≥ 1 cached keys: rows (B, 1, N); values (B, H, > position, D + P)
+        whose position ``position`` holds the last cached key's value row with the running moments (the layer's
+        cached values, or the previous step's output). The new moments go to the rows' value channels; returns the
+        rows' queries, keys and values, (3, B, H, 1, D + P) contiguous."""
         strides = values.stride()
         qkv = rows.new_empty(3, rows.shape[0], self.layout.heads, 1, self.layout.head_stride)
         self._step(self._layout_pointer, rows.data_ptr(), rows.stride(0), rows.shape[0],
-                   values.data_ptr(), strides[0], strides[1], strides[2], past_length, qkv.data_ptr())
+                   values.data_ptr() + position * strides[2] * values.element_size(), strides[0], strides[1],
+                   past_length, qkv.data_ptr())
         return qkv
 
     def prefill(self, rows: torch.Tensor) -> None:

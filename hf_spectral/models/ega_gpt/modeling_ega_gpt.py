@@ -422,7 +422,8 @@ class EGAAttention(nn.Module):
         projected = nn.functional.linear(hidden_states, plan.qkv_weight, plan.qkv_bias)
         if projected.dtype != torch.float32:  # autocast: the C code reads and writes float32 only
             return self._gated_forward(hidden_states, attention_mask, None, cache, **kwargs)
-        query, key, value = plan.gate.step(projected, cache.layers[self.layer_idx].values, past_length).unbind(0)
+        values = cache.layers[self.layer_idx].values
+        query, key, value = plan.gate.step(projected, values, past_length - 1, past_length).unbind(0)
         key, value = cache.update(key, value, self.layer_idx)
         if self._compiled_attention_applies(attention_mask, None):  # no mask: every cached key is visible
             attn_output = decoding_attention_with_key_bias(query, key, value, self.head_dim, self.scaling)

@@ -91,8 +91,14 @@ def test_compiled_step_computes_what_the_torch_step_computes(scales):
     expected = expected_rows(rows, bias, mean, m2, heads, head_dim, width)
 
     padded = torch.cat([values, torch.randn(batch, heads, 3, head_dim + width, generator=generator)], 2)  # static
-    CompiledCausalGate(compiled_library(), gate.constants(), heads, head_dim, width, gate.eps).step(rows, padded, past)
+    compiled = CompiledCausalGate(compiled_library(), gate.constants(), heads, head_dim, width, gate.eps)
+    qkv = compiled.step(rows, padded, past - 1, past)
     torch.testing.assert_close(rows, expected, atol=2e-6, rtol=1e-6)
+    assert qkv.shape == (3, batch, heads, 1, head_dim + width) and qkv.is_contiguous()
+    torch.testing.assert_close(qkv, rows[:, 0, : 3 * block].view(batch, 3, heads, 1, -1).transpose(0, 1), atol=0, rtol=0)
+    # the moments read from a single value row (the previous step's output) instead of the cache
+    again = compiled.step(rows.clone(), padded[:, :, past - 1 : past].clone(), 0, past)
+    torch.testing.assert_close(again, qkv, atol=0, rtol=0)
 
 
 @needs_compiler
@@ -579,3 +585,25 @@ def test_generation_decodes_with_the_compiled_attention_and_equals_the_uncached_
         full = model(out.sequences).logits
     for step, logits in enumerate(out.logits):
         torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
+
+
+@needs_compiler
+def test_compiled_decoding_steps_continue_a_reordered_or_cropped_cache(compiled_calls):
+    """The running moments come from the cache's last key as it is now: after reordering rows (beam search) or
+    cropping keys (assisted decoding), the next steps equal the uncached forward of the new sequences."""
+    model = tiny_model("EGA-2")
+    ids = padded_batch()[0][:, 5:]
+    with torch.no_grad(), caching_derived_tensors():
+        cache = model(ids[:, :6], use_cache=True).cache
+        for t in (6, 7):
+            model(ids[:, t : t + 1], cache=cache)
+        order = torch.tensor([2, 0, 1])
+        cache.reorder_cache(order)
+        step = model(ids[order, 8:9], cache=cache).logits[:, -1]
+        torch.testing.assert_close(step, model(torch.cat([ids[order, :8], ids[order, 8:9]], 1)).logits[:, -1],
+                                   atol=1e-5, rtol=0)
+        cache.crop(-2)  # 9 keys -> 7
+        other = (ids[:, 7:8] + 1) % VOCAB
+        step = model(other, cache=cache).logits[:, -1]
+        torch.testing.assert_close(step, model(torch.cat([ids[order, :7], other], 1)).logits[:, -1], atol=1e-5, rtol=0)
+    assert [name for name, _ in compiled_calls].count("step") == 4 * model.config.num_hidden_layers
