@@ -5,7 +5,9 @@ A layer is an operator sub-layer and a GELU FFN, each with a residual connection
 authors). Routed layers compute the DCT of every token once: it gives the spectral entropy the router reads and the
 DCT mixing output (one matrix product). With threshold or hard routing the routed layer then runs sparsely:
 attention projects keys and values for every token but queries only for its routed tokens, which are gathered,
-attended against all keys in key-prefix chunks and scattered back; a token routed to DCT mixing is never a query.
+attended against all keys in blocks that each compute only the keys their last query sees (the plugin's compiled
+kernel; masked SDPA calls on key-prefix chunks where it does not apply) and scattered back; a token routed to DCT
+mixing is never a query.
 Soft routing, and `routed_execution="dense"` (the authors' one-hot select), run every operator on every token.
 Routing is per token and reads only the token's own state, so a causal model stays causal and generation with the
 cache takes the routes of the forward pass.

@@ -1,22 +1,34 @@
-"""The causal energy gate (linear energies, causal statistics) as compiled C functions, for CPU inference.
+"""Compiled C kernels for CPU float32: EGA's causal energy gate, and causal attention with a per-key bias.
 
-Outside training, an EGA layer's gate is bound by the number of tensor ops rather than their size: its torch code
-(``causal_zscore``/``causal_zscore_step``, ``log_gate_bias``, the writes into the folded q/k/v rows) is about twenty
-element-wise ops, each costing microseconds of dispatch; in a decoding step, on a few dozen numbers, that is as
-much as the rest of the attention layer. The two C functions below do the same arithmetic in one call each, on the
-output of the layer's fused projection (``folded_qkv_weights``), where the linear energies already are:
+The causal gate (linear energies, causal statistics). Outside training, an EGA layer's gate is bound by the number
+of tensor ops rather than their size: its torch code (``causal_zscore``/``causal_zscore_step``, ``log_gate_bias``,
+the writes into the folded q/k/v rows) is about twenty element-wise ops, each costing microseconds of dispatch; in
+a decoding step, on a few dozen numbers, that is as much as the rest of the attention layer. Two C functions do the
+same arithmetic in one call each, on the output of the layer's fused projection (``folded_qkv_weights``), where the
+linear energies already are:
 
 - ``ega_causal_gate_step``, one decoding step: reads the running moments of the last cached key, writes the new
-  key's log-gate bias and the new moments into its q/k/v row;
+  key's log-gate bias and the new moments into its q/k/v row, and hands back contiguous q/k/v;
 - ``ega_causal_gate_prefill``, the first positions of sequences without padding (a forward pass, the prompt of a
   generation): runs the moments along each sequence (Welford's update) and writes every key's bias, and its
-  moments where a KV cache will keep them.
+  moments where a KV cache will keep them. Neither has a backward: training runs the gate's torch code.
 
-There is no backward: training keeps the torch code. The source is compiled with the system C compiler on first use
-(well under a second) into a cache folder (``$HF_SPECTRAL_KERNEL_CACHE``, else ``~/.cache/hf_spectral/kernels``) and
-loaded with ``ctypes``: no torch headers, no build step at install. Without a compiler, or with
-``HF_SPECTRAL_COMPILED_KERNELS=0``, nothing is compiled and the layers keep their torch code, which computes the
-same numbers (tests compare both).
+The attention. Folding the bias into an extra q/k channel lets any kernel apply it, but SDPA's CPU kernels then work
+on D + 1 channels, 10-20% slower than on D. ``ega_attention_forward`` / ``ega_attention_backward`` compute causal
+attention with the bias added to the scores, in blocks of 64 queries (one BLAS product for a block's scores against
+the keys its last query sees, a vectorised row softmax with the causal cut by index, a second product for the
+values; the backward recomputes the probabilities from the saved log-sum-exp, as flash attention does), with
+attention dropout drawn from a hash of a seed so that the backward redraws the forward's mask. Queries may sit at
+any ascending key positions: CHIAR's routed tokens use the same kernel (``causal_attention_at_positions``).
+``ega_decode_attention_key_bias`` attends one decoding step over a cache in the folded layout. The products call the
+``sgemm_`` of the BLAS torch links (MKL in the x86 wheels); heads are shared among torch's threads through OpenMP
+where the compiler has it.
+
+The source is compiled with the system C compiler on first use (about a second) into a cache folder
+(``$HF_SPECTRAL_KERNEL_CACHE``, else ``~/.cache/hf_spectral/kernels``) and loaded with ``ctypes``: no torch headers,
+no build step at install. Without a compiler, without torch's BLAS, when the attention does not reproduce torch's
+on a small problem at load, or with ``HF_SPECTRAL_COMPILED_KERNELS=0``, the layers keep their torch code, which
+computes the same numbers (tests compare both).
 """
 
 import ctypes

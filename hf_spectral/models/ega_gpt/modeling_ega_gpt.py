@@ -6,11 +6,13 @@ so the fused causal kernels stay in use. The KV cache stores each key's bias, pl
 steps need (raw energies for the running statistics, filter history), in the extra key/value channels: beam
 search, cache cropping and left padding then need nothing special.
 
-Outside autograd, on CPU in float32, the causal gate of linear energies runs as compiled C code
-(``compiled_kernels.py``) on the fused projection's output: the forward pass and prompt of unpadded sequences,
-and every unpadded decoding step of ``generate()``, whose per-layer plans (folded weights, bound C function) are
-kept through the generation. Everything else — training, padding, other energies and statistics, other dtypes,
-observed gates — runs the torch code, which computes the same numbers.
+On CPU in float32 with the SDPA backend, the compiled kernels (``compiled_kernels.py``) take over where SDPA would
+run unmasked: training passes attend through a C attention (forward and backward) that adds the bias to the scores
+instead of paying for a folded channel; outside autograd, the causal gate of linear energies also runs in C on the
+fused projection's output (the forward pass and prompt of unpadded sequences, every unpadded decoding step of
+``generate()``, whose per-layer plans are kept through the generation), and decoding steps attend over the folded
+cache in C. Everything else — padding, other backends, dtypes or devices, observed gates — runs the torch code,
+which computes the same numbers.
 """
 
 from collections.abc import Callable

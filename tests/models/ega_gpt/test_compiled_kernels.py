@@ -24,7 +24,7 @@ from tests.helpers import perturb_after
 from tests.models.ega_gpt.test_modeling_ega_gpt import VOCAB, padded_batch, tiny_model
 
 needs_compiler = pytest.mark.skipif(
-    compiled_kernels._compiler() is None, reason="the compiled causal gate needs a C compiler"
+    compiled_kernels._compiler() is None, reason="the compiled kernels need a C compiler"
 )
 
 
