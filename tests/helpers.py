@@ -55,3 +55,13 @@ def perturb_after(input_ids: torch.Tensor, position: int, vocab_size: int, seed:
     offset = torch.randint(1, vocab_size, tail.shape, generator=generator)
     changed[:, position + 1 :] = (tail + offset) % vocab_size
     return changed
+
+
+def assert_causal(logits_of, input_ids: torch.Tensor, positions, vocab_size: int) -> None:
+    """The causal perturbation test: for each position, changing every later token leaves the logits up to it exactly
+    as they were, and moves some later ones (so that the test can fail). ``logits_of(ids)`` -> (B, T, V)."""
+    reference = logits_of(input_ids)
+    for position in positions:
+        changed = logits_of(perturb_after(input_ids, position, vocab_size))
+        assert torch.equal(changed[:, : position + 1], reference[:, : position + 1])
+        assert not torch.allclose(changed[:, position + 1 :], reference[:, position + 1 :])

@@ -52,7 +52,39 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-static float log_sigmoid(float x) { return fminf(x, 0.0f) - log1pf(expf(-fabsf(x))); }
+static inline float exp_nonpositive(float x);
+
+/* log(1 + y) for y in [0, 1] as 2 atanh(s), s = y / (2 + y) <= 1/3: a series in s^2 <= 1/9, branch-free */
+static inline float log1p_unit(float y)
+{
+    const float s = y / (2.0f + y), s2 = s * s;
+    float p = 1.0f / 17.0f;
+    p = p * s2 + 1.0f / 15.0f;
+    p = p * s2 + 1.0f / 13.0f;
+    p = p * s2 + 1.0f / 11.0f;
+    p = p * s2 + 1.0f / 9.0f;
+    p = p * s2 + 1.0f / 7.0f;
+    p = p * s2 + 1.0f / 5.0f;
+    p = p * s2 + 1.0f / 3.0f;
+    p = p * s2 + 1.0f;
+    return 2.0f * s * p;
+}
+
+/* log sigmoid(x) = min(x, 0) - log(1 + exp(-|x|)), without library calls, so that loops over heads vectorise */
+static inline float log_sigmoid(float x) { return fminf(x, 0.0f) - log1p_unit(exp_nonpositive(-fabsf(x))); }
+
+/* Welford's update of one energy's running moments (written to *mean, *m2) and its causal z-score
+ * z = deviation / sqrt(max(m2 / (count - 1), eps^2)) = deviation / sqrt(max(m2, m2_floor)) * sqrt(count - 1),
+ * with z_scale = sqrt(count - 1), or 0 while fewer than two energies were seen (z is then 0). */
+static inline float welford_zscore(float energy, float old_mean, float old_m2, float inverse_count, float z_scale,
+                                   float m2_floor, float *mean, float *m2)
+{
+    const float delta = energy - old_mean;
+    *mean = old_mean + inverse_count * delta;
+    const float deviation = energy - *mean;
+    *m2 = old_m2 + delta * deviation;
+    return deviation * ((1.0f / sqrtf(fmaxf(*m2, m2_floor))) * z_scale);
+}
 
 /* What stays fixed for a layer: the q/k/v row layout and the gate's constants. */
 typedef struct {
@@ -69,27 +101,40 @@ typedef struct {
 /* One position of one row (as causal_zscore_step, then log_gate_bias): per head, Welford's update of the running
  * moments (scales means, then scales M2s) read from old + h*old_stride, written to new + h*new_stride (which may
  * alias old); the causal z-score (0 while fewer than two energies were seen); the log gate, mixed over scales,
- * written into the key's bias channel. count: the positions seen, this one included. */
+ * written to bias + h*bias_stride (the key's bias channel in the row, or a separate array). count: the positions
+ * seen, this one included. */
 static void gate_position(const GateLayout *layout, float *row, const float *old, int64_t old_stride,
-                          float *new, int64_t new_stride, int64_t count)
+                          float *new, int64_t new_stride, int64_t count, float *bias, int64_t bias_stride)
 {
     const int64_t scales = layout->scales;
     const float inverse_count = (float)(1.0 / (double)count);
-    const float sqrt_past = (float)sqrt((double)(count - 1));
-    const float m2_floor = (float)((double)layout->eps * (double)layout->eps * (double)(count - 1));
+    const float z_scale = count < 2 ? 0.0f : (float)sqrt((double)(count - 1));
+    /* (at the first position m2 is 0 and z_scale 0: a floor of 1 keeps 1 / sqrt finite, z then 0) */
+    const float m2_floor = count < 2 ? 1.0f : (float)((double)layout->eps * (double)layout->eps * (double)(count - 1));
+    if (scales == 1 && layout->log_mix == 0) {  /* one energy per head (EGA-1): the heads in vector lanes */
+        const float *energy = row + layout->energy_offset, *alpha = layout->alpha;
+        const float *neg_alpha_tau = layout->neg_alpha_tau, *log_gate_at_mean = layout->log_gate_at_mean;
+        const int64_t heads = layout->heads;
+#pragma omp simd
+        for (int64_t h = 0; h < heads; ++h) {
+            float mean, m2;
+            const float z = welford_zscore(energy[h], old[h * old_stride], old[h * old_stride + 1], inverse_count,
+                                           z_scale, m2_floor, &mean, &m2);
+            new[h * new_stride] = mean;
+            new[h * new_stride + 1] = m2;
+            bias[h * bias_stride] = log_sigmoid(neg_alpha_tau[h] + alpha[h] * z) - log_gate_at_mean[h];
+        }
+        return;
+    }
     for (int64_t h = 0; h < layout->heads; ++h) {
         const float *old_h = old + h * old_stride;
         float *new_h = new + h * new_stride;
         float log_gate = 0.0f, running_max = -INFINITY, running_sum = 0.0f;
         for (int64_t s = 0; s < scales; ++s) {
             const int64_t hs = h * scales + s;
-            const float energy = row[layout->energy_offset + hs];
-            const float delta = energy - old_h[s];
-            const float mean = old_h[s] + inverse_count * delta;
-            const float deviation = energy - mean;
-            const float m2 = old_h[scales + s] + delta * deviation;
-            /* z = deviation / sqrt(max(m2 / (count - 1), eps^2)) */
-            const float z = count < 2 ? 0.0f : deviation * ((1.0f / sqrtf(fmaxf(m2, m2_floor))) * sqrt_past);
+            float mean, m2;
+            const float z = welford_zscore(row[layout->energy_offset + hs], old_h[s], old_h[scales + s],
+                                           inverse_count, z_scale, m2_floor, &mean, &m2);
             const float term = log_sigmoid(layout->neg_alpha_tau[hs] + layout->alpha[hs] * z);
             new_h[s] = mean;
             new_h[scales + s] = m2;
@@ -106,7 +151,7 @@ static void gate_position(const GateLayout *layout, float *row, const float *old
             }
         }
         if (layout->log_mix != 0) log_gate = running_max + logf(running_sum);
-        row[layout->key_offset + h * layout->head_stride] = log_gate - layout->log_gate_at_mean[h];
+        bias[h * bias_stride] = log_gate - layout->log_gate_at_mean[h];
     }
 }
 
@@ -131,7 +176,8 @@ void ega_causal_gate_step(
     for (int64_t b = 0; b < batch; ++b) {
         float *row = rows + b * row_stride;
         gate_position(layout, row, last + b * value_batch_stride, value_head_stride,
-                      row + layout->value_offset, layout->head_stride, past_count + 1);
+                      row + layout->value_offset, layout->head_stride, past_count + 1, row + layout->key_offset,
+                      layout->head_stride);
         for (int64_t p = 0; p < 3; ++p)
             memcpy(qkv_out + (p * batch + b) * part, row + p * part, sizeof(float) * (size_t)part);
     }
@@ -139,10 +185,12 @@ void ega_causal_gate_step(
 
 /* The first `length` positions of `batch` sequences (no past, no padding), rows[b*batch_stride + t*row_stride +
  * column], position by position; with write_state the running moments at each position also go to the row's
- * value state channels (for the KV cache). Returns 0, or -1 when out of memory. */
+ * value state channels (for the KV cache). The biases go to the rows' key channels, or with bias_out to bias_out
+ * (B, T, H), contiguous: without a cache, the attention then reads them from a few kilobytes instead of one cache
+ * line per head from rows of megabytes. Returns 0, or -1 when out of memory. */
 int ega_causal_gate_prefill(
     const GateLayout *layout, float *rows, int64_t batch_stride, int64_t row_stride, int64_t batch, int64_t length,
-    int write_state)
+    int write_state, float *bias_out)
 {
     const int64_t moments_per_head = 2 * layout->scales;
     float *moments = calloc((size_t)(layout->heads * moments_per_head), sizeof(float));
@@ -151,7 +199,12 @@ int ega_causal_gate_prefill(
         for (int64_t i = 0; i < layout->heads * moments_per_head; ++i) moments[i] = 0.0f;
         for (int64_t t = 0; t < length; ++t) {
             float *row = rows + b * batch_stride + t * row_stride;
-            gate_position(layout, row, moments, moments_per_head, moments, moments_per_head, t + 1);
+            if (bias_out)
+                gate_position(layout, row, moments, moments_per_head, moments, moments_per_head, t + 1,
+                              bias_out + (b * length + t) * layout->heads, 1);
+            else
+                gate_position(layout, row, moments, moments_per_head, moments, moments_per_head, t + 1,
+                              row + layout->key_offset, layout->head_stride);
             if (write_state)
                 for (int64_t h = 0; h < layout->heads; ++h)
                     for (int64_t c = 0; c < moments_per_head; ++c)
@@ -178,7 +231,7 @@ typedef void (*sgemm_fn)(const char *, const char *, const int64_t *, const int6
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
-/* one copy of the row softmax per vector width, the widest the CPU has chosen when the library loads */
+/* one copy of each row loop per vector width, the widest the CPU has chosen when the library loads */
 #define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 #endif
@@ -191,7 +244,7 @@ typedef void (*sgemm_fn)(const char *, const char *, const int64_t *, const int6
  * of probabilities that includes the maximum's 1 can tell apart. */
 static inline float exp_nonpositive(float x)
 {
-    x = x < -87.0f ? -87.0f : x;
+    x = fmaxf(x, -87.0f);
     const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
     float r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
@@ -207,6 +260,28 @@ static inline float exp_nonpositive(float x)
     return p * power.value;
 }
 
+/* Replaces scores[0 .. count) by exp(score - maximum) and returns their sum, in LANES partial sums. */
+static inline float exp_and_sum(float *scores, int64_t count, float maximum)
+{
+    float sums[LANES];
+    for (int l = 0; l < LANES; ++l) sums[l] = 0.0f;
+    int64_t j = 0;
+    for (; j + LANES <= count; j += LANES)
+        for (int l = 0; l < LANES; ++l) {
+            const float p = exp_nonpositive(scores[j + l] - maximum);
+            scores[j + l] = p;
+            sums[l] += p;
+        }
+    for (; j < count; ++j) {
+        const float p = exp_nonpositive(scores[j] - maximum);
+        scores[j] = p;
+        sums[0] += p;
+    }
+    float total = 0.0f;
+    for (int l = 0; l < LANES; ++l) total += sums[l];
+    return total;
+}
+
 /* One score row: adds the keys' bias to the first `visible` scores, replaces them by exp(score - max), zeroes the
  * rest of the row up to `width`, and returns the sum (and the maximum in *maximum_out). Maxima and sums run in LANES
  * partial lanes, which the compiler turns into vector registers without reassociating anything the C code does not
@@ -214,8 +289,8 @@ static inline float exp_nonpositive(float x)
 VECTOR_CLONES
 static float softmax_row(float *scores, const float *bias, int64_t visible, int64_t width, float *maximum_out)
 {
-    float lanes[LANES], sums[LANES];
-    for (int l = 0; l < LANES; ++l) { lanes[l] = -INFINITY; sums[l] = 0.0f; }
+    float lanes[LANES];
+    for (int l = 0; l < LANES; ++l) lanes[l] = -INFINITY;
     int64_t j = 0;
     for (; j + LANES <= visible; j += LANES)
         for (int l = 0; l < LANES; ++l) {
@@ -230,22 +305,9 @@ static float softmax_row(float *scores, const float *bias, int64_t visible, int6
     }
     float maximum = lanes[0];
     for (int l = 1; l < LANES; ++l) maximum = lanes[l] > maximum ? lanes[l] : maximum;
-    for (j = 0; j + LANES <= visible; j += LANES)
-        for (int l = 0; l < LANES; ++l) {
-            const float p = exp_nonpositive(scores[j + l] - maximum);
-            scores[j + l] = p;
-            sums[l] += p;
-        }
-    for (; j < visible; ++j) {
-        const float p = exp_nonpositive(scores[j] - maximum);
-        scores[j] = p;
-        sums[0] += p;
-    }
-    for (; j < width; ++j) scores[j] = 0.0f;
-    float total = 0.0f;
-    for (int l = 0; l < LANES; ++l) total += sums[l];
+    for (j = visible; j < width; ++j) scores[j] = 0.0f;
     *maximum_out = maximum;
-    return total;
+    return exp_and_sum(scores, visible, maximum);
 }
 
 /* Attention dropout's factors for one row: 0 for a dropped probability, 1 / (1 - dropout) for a kept one, from a
@@ -430,24 +492,9 @@ static void decode_head(int64_t length, int64_t head_dim, float scale, const flo
         scores[j] = s;
         maximum = s > maximum ? s : maximum;
     }
-    float sums[LANES];
-    for (int l = 0; l < LANES; ++l) sums[l] = 0.0f;
-    int64_t j = 0;
-    for (; j + LANES <= length; j += LANES)
-        for (int l = 0; l < LANES; ++l) {
-            const float p = exp_nonpositive(scores[j + l] - maximum);
-            scores[j + l] = p;
-            sums[l] += p;
-        }
-    for (; j < length; ++j) {
-        const float p = exp_nonpositive(scores[j] - maximum);
-        scores[j] = p;
-        sums[0] += p;
-    }
-    float total = 0.0f;
-    for (int l = 0; l < LANES; ++l) total += sums[l];
+    const float total = exp_and_sum(scores, length, maximum);
     for (int64_t c = 0; c < head_dim; ++c) out[c] = 0.0f;
-    for (j = 0; j < length; ++j) {
+    for (int64_t j = 0; j < length; ++j) {
         const float *v = value.start + j * value.row;
         const float p = scores[j];
         for (int64_t c = 0; c < head_dim; ++c) out[c] += p * v[c];
@@ -570,7 +617,7 @@ _SIGNATURES = {
     "ega_causal_gate_step": ([ctypes.POINTER(_GateLayout), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p], None),
     "ega_causal_gate_prefill": ([ctypes.POINTER(_GateLayout), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int], ctypes.c_int),
+                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p], ctypes.c_int),
     "ega_attention_forward": ([ctypes.c_void_p] * 13 + [ctypes.c_int], ctypes.c_int),
     "ega_attention_backward": ([ctypes.c_void_p] * 22 + [ctypes.c_int], ctypes.c_int),
     "ega_decode_attention_key_bias": ([ctypes.c_int64] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 8 + [ctypes.c_int],
@@ -609,11 +656,11 @@ def _build() -> str:
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC)")
     # -O3 without -ffast-math: vectorised loops, but the torch code's IEEE arithmetic (exp_nonpositive's rounding
-    # trick needs it too)
+    # trick needs it too); -fno-math-errno lets sqrtf vectorise
     error = None
     for flags in (["-fopenmp"], []):
         try:
-            return _build_with([compiler, "-O3", "-shared", "-fPIC", *flags])
+            return _build_with([compiler, "-O3", "-fno-math-errno", "-shared", "-fPIC", *flags])
         except subprocess.CalledProcessError as failure:
             error = failure
     raise error
@@ -940,9 +987,14 @@ class CompiledCausalGate:
                    past_length, qkv.data_ptr())
         return qkv
 
-    def prefill(self, rows: torch.Tensor) -> None:
+    def prefill(self, rows: torch.Tensor, bias_out: torch.Tensor | None = None) -> None:
         """The first T positions of each sequence, without padding: rows (B, T, N); the running moments go to the
-        value channels when the layout has room for them (a KV cache is built)."""
+        value channels when the layout has room for them (a KV cache is built), the biases to the key channels or,
+        given, to ``bias_out`` (B, T, H), contiguous."""
+        if bias_out is not None and (bias_out.shape != (*rows.shape[:2], self.layout.heads)
+                                     or not bias_out.is_contiguous() or bias_out.dtype != torch.float32):
+            raise ValueError(f"bias_out must be a contiguous float32 tensor of shape "
+                             f"{(*rows.shape[:2], self.layout.heads)}, got {tuple(bias_out.shape)}")
         if self._prefill(self._layout_pointer, rows.data_ptr(), rows.stride(0), rows.stride(1), rows.shape[0],
-                         rows.shape[1], int(self.stores_state)) != 0:
+                         rows.shape[1], int(self.stores_state), None if bias_out is None else bias_out.data_ptr()) != 0:
             raise MemoryError("out of memory in the compiled causal gate")

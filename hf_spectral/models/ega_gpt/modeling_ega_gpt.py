@@ -233,19 +233,28 @@ class EGAAttention(nn.Module):
         compiled_gate = None
         if fused and self._compiled_gate_applies(projected, energy, token_mask, past_state):
             compiled_gate = self._compiled_gate(width)
+        if compiled_gate is not None and cache is None and self._compiled_attention_applies(attention_mask, None):
+            # the gate in one C call, then SDPA's causal attention with the bias added to the scores rather than
+            # through the folded channel; without a cache to fill, the biases go to a small array of their own
+            key_bias = projected.new_empty(batch, length, self.num_heads)
+            compiled_gate.prefill(projected, key_bias)
+            attn_output = causal_attention_with_key_bias(
+                qkv[..., :head_dim], key_bias.transpose(1, 2), self.scaling,
+                self.config.attn_pdrop if self.training else 0.0,
+            )
+            if attn_output is not None:
+                return self.resid_dropout(self.c_proj(attn_output.view(batch, length, -1))), None
         if compiled_gate is not None:
             # the whole gate in one C call, which writes the bias (and the cache's state) into qkv itself
             compiled_gate.prefill(projected)
             query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
             if self._compiled_attention_applies(attention_mask, cache):
-                # SDPA's causal attention with the bias added to the scores rather than through the folded channel
                 attn_output = causal_attention_with_key_bias(
                     qkv[..., :head_dim], qkv[:, :, 1, :, head_dim].transpose(1, 2), self.scaling,
                     self.config.attn_pdrop if self.training else 0.0,
                 )
                 if attn_output is not None:
-                    if cache is not None:
-                        cache.update(key, value, self.layer_idx)
+                    cache.update(key, value, self.layer_idx)
                     return self.resid_dropout(self.c_proj(attn_output.view(batch, length, -1))), None
         else:
             all_bias, _, state = gate(

@@ -12,7 +12,7 @@ from hf_spectral import ChiarConfig, ChiarForCausalLM, ChiarForSequenceClassific
 from hf_spectral.models.chiar_former import calibrate_thresholds, count_flops, modeling_chiar_former
 from hf_spectral.models.chiar_former.spectral_ops import threshold_routes
 
-from ...helpers import load_without_plugin, perturb_after
+from ...helpers import assert_causal, load_without_plugin, perturb_after
 from .chiar_testing import CAUSAL_VARIANTS, PAD, VOCAB, build, random_ids, tiny_config
 
 ROUTED_SPARSE_VARIANTS = ["threshold-2", "threshold-3", "hard-2", "hard-3", "pre-ln-threshold-3", "fft-dct"]
@@ -470,11 +470,7 @@ def test_compiled_routed_attention_is_causal(compiled_routed_calls):
     ids = random_ids(2, 160, seed=22)
     model = build(ChiarForCausalLM, tiny_config(max_position_embeddings=256), calibrate_on=ids)
     with torch.no_grad():
-        reference = model(ids).logits
-        for position in (40, 100):
-            changed = model(perturb_after(ids, position, VOCAB)).logits
-            assert torch.equal(changed[:, : position + 1], reference[:, : position + 1])
-            assert not torch.allclose(changed[:, position + 1 :], reference[:, position + 1 :])
+        assert_causal(lambda ids: model(ids).logits, ids, (40, 100), VOCAB)
     assert compiled_routed_calls
 
 

@@ -20,7 +20,7 @@ from hf_spectral.models.ega_gpt.energy_gate import (
     causal_zscore_step,
     log_gate_bias,
 )
-from tests.helpers import perturb_after
+from tests.helpers import assert_causal
 from tests.models.ega_gpt.test_modeling_ega_gpt import VOCAB, padded_batch, tiny_model
 
 needs_compiler = pytest.mark.skipif(
@@ -139,11 +139,7 @@ def test_the_compiled_gate_is_causal(compiled_calls):
     model = tiny_model("EGA-2")
     ids = padded_batch()[0][:, 3:]
     with torch.no_grad():
-        reference = model(ids).logits
-        for position in (2, 7):
-            changed = model(perturb_after(ids, position, VOCAB)).logits
-            assert torch.equal(changed[:, : position + 1], reference[:, : position + 1])
-            assert not torch.allclose(changed[:, position + 1 :], reference[:, position + 1 :])
+        assert_causal(lambda ids: model(ids).logits, ids, (2, 7), VOCAB)
     assert len(compiled_calls) == 3 * model.config.num_hidden_layers
 
 
@@ -484,11 +480,7 @@ def test_inference_forward_attends_in_c_only_where_sdpa_would_run_unmasked(atten
 def test_training_through_the_compiled_attention_is_causal(attention_calls):
     model = tiny_model("EGA-2").train()
     ids = padded_batch()[0][:, 3:]
-    reference = model(ids).logits
-    for position in (2, 7):
-        changed = model(perturb_after(ids, position, VOCAB)).logits
-        assert torch.equal(changed[:, : position + 1], reference[:, : position + 1])
-        assert not torch.allclose(changed[:, position + 1 :], reference[:, position + 1 :])
+    assert_causal(lambda ids: model(ids).logits, ids, (2, 7), VOCAB)
     assert attention_calls and all(attention_calls)
 
 
