@@ -244,7 +244,7 @@ typedef void (*sgemm_fn)(const char *, const char *, const int64_t *, const int6
  * of probabilities that includes the maximum's 1 can tell apart. */
 static inline float exp_nonpositive(float x)
 {
-    x = fmaxf(x, -87.0f);
+    x = x < -87.0f ? -87.0f : x;
     const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
     float r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
