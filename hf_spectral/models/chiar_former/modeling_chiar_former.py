@@ -273,7 +273,7 @@ class ChiarAttention(nn.Module):
         key, value = self.kv_proj(hidden_states).chunk(2, dim=-1)
         key = apply_rotary(self._heads(key), rotary).transpose(1, 2)
         value = self._heads(value).transpose(1, 2)
-        if queries is None or not self._compiled_sparse_applies(key, key_valid):
+        if queries is None or self._compiled_sparse_attention(key, key_valid) is None:
             key, value = key.contiguous(), value.contiguous()
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
@@ -299,18 +299,24 @@ class ChiarAttention(nn.Module):
     def _attend_sparse(self, query, key, value, rows, slots, key_valid, **kwargs):
         """Routed queries (N, heads, head_dim) of batch rows ``rows`` at key slots ``slots`` (both (N,), ordered by row,
         then position) -> (N, heads, head_dim). Each row attends on its own, so no row pads its queries to another's
-        count; causal queries go in chunks, each against the key prefix its last query can see, so that most future
-        keys are skipped as a dense causal kernel skips them."""
+        count. Causal queries skip most future keys as a dense causal kernel skips them: through the compiled kernel
+        where it applies (``_compiled_sparse_attention``), else in masked chunks, each against the key prefix its
+        last query can see."""
         counts = torch.bincount(rows, minlength=key.shape[0]).tolist()
-        if self._compiled_sparse_applies(key, key_valid):
-            compiled = self._attend_sparse_compiled(query, key, value, slots, counts)
-            if compiled is not None:
-                return compiled
+        compiled = self._compiled_sparse_attention(key, key_valid)
+        dropout = self.config.attention_dropout if self.training else 0.0
         outputs = []
         for row, row_query, row_slots in zip(range(key.shape[0]), query.split(counts), slots.split(counts)):
             if row_query.shape[0] == 0:
                 continue
-            row_query, row_slots = row_query.transpose(0, 1).contiguous()[None], row_slots[None]
+            row_query, row_slots = row_query.transpose(0, 1)[None], row_slots[None]
+            if compiled is not None:
+                out = compiled(row_query, key[row : row + 1], value[row : row + 1], row_slots, self.scaling, dropout)
+                if out is not None:
+                    outputs.append(out[0])
+                    continue
+                compiled = None  # the kernel is not available here: the torch chunks for this row and the rest
+            row_query = row_query.contiguous()
             row_valid = None if key_valid is None else key_valid[row : row + 1]
             chunks = query_chunks(row_slots) if self.is_causal else [(0, row_slots.shape[1], key.shape[2])]
             for start, end, key_length in chunks:
@@ -326,39 +332,20 @@ class ChiarAttention(nn.Module):
                 outputs.append(out[0])
         return torch.cat(outputs, 0)
 
-    def _compiled_sparse_applies(self, key, key_valid) -> bool:
-        """Whether routed queries may attend through the compiled kernel (``_attend_sparse_compiled``): causal
-        layers without padding on the SDPA backend, in float32 on CPU, and the plugin's kernel available."""
-        return (
+    def _compiled_sparse_attention(self, key, key_valid) -> Callable | None:
+        """The compiled attention routed queries go through (``causal_attention_at_positions``: for each block of 64
+        queries only the keys its last query sees, no mask tensor), or ``None`` where it does not apply: causal
+        layers without padding on the SDPA backend, in float32 on CPU, with the plugin installed."""
+        if (
             self.is_causal
             and key_valid is None
             and self.config._attn_implementation == "sdpa"
             and key.dtype == torch.float32
             and key.device.type == "cpu"
             and not torch.is_autocast_enabled("cpu")
-            and _compiled_routed_attention() is not None
-        )
-
-    def _attend_sparse_compiled(self, query, key, value, slots, counts) -> torch.Tensor | None:
-        """``_attend_sparse`` through the compiled attention, which computes for each block of 64 routed queries only
-        the keys its last query sees, with no mask tensor. ``None`` where the kernel turns out not to be available
-        (``_compiled_sparse_applies`` checks the rest)."""
-        attend = _compiled_routed_attention()
-        if attend is None:
-            return None
-        dropout = self.config.attention_dropout if self.training else 0.0
-        outputs = []
-        for row, row_query, row_slots in zip(range(key.shape[0]), query.split(counts), slots.split(counts)):
-            if row_query.shape[0] == 0:
-                continue
-            out = attend(
-                row_query.transpose(0, 1)[None], key[row : row + 1], value[row : row + 1], row_slots[None],
-                self.scaling, dropout,
-            )
-            if out is None:
-                return None
-            outputs.append(out[0])
-        return torch.cat(outputs, 0)
+        ):
+            return _compiled_routed_attention()
+        return None
 
 
 class ChiarRouter(nn.Module):

@@ -233,29 +233,26 @@ class EGAAttention(nn.Module):
         compiled_gate = None
         if fused and self._compiled_gate_applies(projected, energy, token_mask, past_state):
             compiled_gate = self._compiled_gate(width)
-        if compiled_gate is not None and cache is None and self._compiled_attention_applies(attention_mask, None):
-            # the gate in one C call, then SDPA's causal attention with the bias added to the scores rather than
-            # through the folded channel; without a cache to fill, the biases go to a small array of their own
-            key_bias = projected.new_empty(batch, length, self.num_heads)
-            compiled_gate.prefill(projected, key_bias)
-            attn_output = causal_attention_with_key_bias(
-                qkv[..., :head_dim], key_bias.transpose(1, 2), self.scaling,
-                self.config.attn_pdrop if self.training else 0.0,
-            )
-            if attn_output is not None:
-                return self.resid_dropout(self.c_proj(attn_output.view(batch, length, -1))), None
         if compiled_gate is not None:
-            # the whole gate in one C call, which writes the bias (and the cache's state) into qkv itself
-            compiled_gate.prefill(projected)
-            query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            if self._compiled_attention_applies(attention_mask, cache):
+            # The whole gate in one C call, which writes the bias (and the cache's state) into qkv itself; then, where
+            # SDPA would run unmasked, the compiled attention adds the bias to the scores instead of reading the folded
+            # channel. Without a cache to fill, the biases go to a small array of their own.
+            attend_in_c = self._compiled_attention_applies(attention_mask)
+            own_array = attend_in_c and cache is None
+            key_bias = projected.new_empty(batch, length, self.num_heads) if own_array else qkv[:, :, 1, :, head_dim]
+            compiled_gate.prefill(projected, key_bias if own_array else None)
+            if attend_in_c:
                 attn_output = causal_attention_with_key_bias(
-                    qkv[..., :head_dim], qkv[:, :, 1, :, head_dim].transpose(1, 2), self.scaling,
+                    qkv[..., :head_dim], key_bias.transpose(1, 2), self.scaling,
                     self.config.attn_pdrop if self.training else 0.0,
                 )
                 if attn_output is not None:
-                    cache.update(key, value, self.layer_idx)
+                    if cache is not None:
+                        cache.update(*qkv.permute(2, 0, 3, 1, 4).unbind(0)[1:], self.layer_idx)
                     return self.resid_dropout(self.c_proj(attn_output.view(batch, length, -1))), None
+            if own_array:  # the kernel is not available: the torch attention reads the folded channel
+                qkv[:, :, 1, :, head_dim] = key_bias
+            query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         else:
             all_bias, _, state = gate(
                 hidden_states, valid=token_mask, past_aux=past_state, return_aux=cache is not None, energy=energy
@@ -297,7 +294,8 @@ class EGAAttention(nn.Module):
         backends, masks, a past, other dtypes or devices, autocast) or the kernel is not available; the caller then
         runs the torch code."""
         if not (
-            self._compiled_attention_applies(attention_mask, cache)
+            self._compiled_attention_applies(attention_mask)
+            and (cache is None or cache.get_seq_length(self.layer_idx) == 0)
             and hidden_states.dtype == torch.float32
             and hidden_states.device.type == "cpu"
             and self.c_attn.weight.dtype == torch.float32
@@ -378,15 +376,11 @@ class EGAAttention(nn.Module):
             and not _gate_observed(self.energy_gate)
         )
 
-    def _compiled_attention_applies(self, attention_mask, cache) -> bool:
-        """Whether a pass may attend in C (``causal_attention_with_key_bias``): where SDPA would run its plain causal
-        kernel — the SDPA backend, no mask (no padding, nothing cached) — and so return no attention weights
-        either."""
-        return (
-            self.config._attn_implementation == "sdpa"
-            and attention_mask is None
-            and (cache is None or cache.get_seq_length(self.layer_idx) == 0)
-        )
+    def _compiled_attention_applies(self, attention_mask) -> bool:
+        """Whether a pass may attend in C (the compiled kernels): where SDPA would run without a mask — the SDPA
+        backend, no padding; causal over the new positions, or one position seeing every cached key — and so return
+        no attention weights either. Passes over new positions also need an empty cache (the callers check)."""
+        return self.config._attn_implementation == "sdpa" and attention_mask is None
 
     def build_decoding_plan(self) -> CompiledDecodingPlan | None:
         """What the compiled decoding step keeps through a generation, or ``None`` where it does not apply (no gate,
@@ -436,7 +430,7 @@ class EGAAttention(nn.Module):
         values = cache.layers[self.layer_idx].values
         query, key, value = plan.gate.step(projected, values, past_length - 1, past_length).unbind(0)
         key, value = cache.update(key, value, self.layer_idx)
-        if self._compiled_attention_applies(attention_mask, None):  # no mask: every cached key is visible
+        if self._compiled_attention_applies(attention_mask):
             attn_output = decoding_attention_with_key_bias(query, key, value, self.head_dim, self.scaling)
             if attn_output is not None:
                 return self.resid_dropout(self.c_proj(attn_output.view(batch, 1, -1))), None

@@ -407,9 +407,13 @@ def test_a_compiled_attention_that_does_not_reproduce_torch_is_not_used(monkeypa
     model = tiny_model("EGA-1")
     ids = padded_batch()[0][:, 5:]
     loss = model(ids, labels=ids).loss
+    with torch.no_grad():  # the compiled gate still runs; its biases must reach the torch attention
+        logits = model(ids, use_cache=False).logits
     monkeypatch.setenv("HF_SPECTRAL_COMPILED_KERNELS", "0")
     monkeypatch.setattr(compiled_kernels, "_loaded", {})
     torch.testing.assert_close(loss, model(ids, labels=ids).loss, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids, use_cache=False).logits, atol=1e-5, rtol=0)
 
 
 @needs_compiler
