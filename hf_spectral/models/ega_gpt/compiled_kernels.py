@@ -474,17 +474,26 @@ static void attend_head_backward(sgemm_fn sgemm, const AttentionShape *shape, in
     }
 }
 
+/* Asks for the cache lines of `row` (count floats) to come to the caches: the next head's keys and values, one row per
+ * row of the current head, so that their memory latency hides behind this head's arithmetic. */
+static inline void prefetch_row(const float *row, int64_t count)
+{
+    for (int64_t c = 0; c < count; c += 16) __builtin_prefetch(row + c);
+}
+
 /* One decoding step's attention for one (batch, head) over a cache in the folded layout: the query's first head_dim
  * channels against each cached key's, plus the key's bias in its channel head_dim; the values' first head_dim
  * channels. work: length floats. Reading the cache as it is, rather than through SDPA over head_dim + P channels,
- * also skips the extra channels' arithmetic. */
+ * also skips the extra channels' arithmetic. next_key, next_value: the next head's rows to prefetch, or NULL. */
 VECTOR_CLONES
-static void decode_head(int64_t length, int64_t head_dim, float scale, const float *query, HeadRows key,
-                        HeadRows value, float *out, float *scores)
+static void decode_head(int64_t length, int64_t head_dim, float scale, const float *restrict query, HeadRows key,
+                        HeadRows value, float *restrict out, float *restrict scores, const float *next_key,
+                        const float *next_value)
 {
     float maximum = -INFINITY;
     for (int64_t j = 0; j < length; ++j) {
         const float *k = key.start + j * key.row;
+        if (next_key) prefetch_row(next_key + j * key.row, head_dim + 1);
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t c = 0; c < head_dim; ++c) dot += query[c] * k[c];
@@ -495,7 +504,8 @@ static void decode_head(int64_t length, int64_t head_dim, float scale, const flo
     const float total = exp_and_sum(scores, length, maximum);
     for (int64_t c = 0; c < head_dim; ++c) out[c] = 0.0f;
     for (int64_t j = 0; j < length; ++j) {
-        const float *v = value.start + j * value.row;
+        const float *restrict v = value.start + j * value.row;
+        if (next_value) prefetch_row(next_value + j * value.row, head_dim);
         const float p = scores[j];
         for (int64_t c = 0; c < head_dim; ++c) out[c] += p * v[c];
     }
@@ -523,10 +533,13 @@ int ega_decode_attention_key_bias(
 #pragma omp for schedule(static)
         for (int64_t index = 0; index < batch * heads; ++index) {
             if (scores == 0) continue;
-            const int64_t b = index / heads, h = index % heads;
+            const int64_t b = index / heads, h = index % heads, next = index + 1 < batch * heads ? index + 1 : index;
+            const int64_t next_b = next / heads, next_h = next % heads;
             decode_head(length, head_dim, scale, head_rows(query, query_strides, b, h).start,
                         head_rows(key, key_strides, b, h), head_rows(value, value_strides, b, h),
-                        head_rows(out, out_strides, b, h).start, scores);
+                        head_rows(out, out_strides, b, h).start, scores,
+                        next == index ? 0 : head_rows(key, key_strides, next_b, next_h).start,
+                        next == index ? 0 : head_rows(value, value_strides, next_b, next_h).start);
         }
         free(scores);
     }

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
+from .growing_cache import GrowingLayer
+
 try:  # only the Daubechies energies need PyWavelets
     import pywt
 except ImportError:  # pragma: no cover - exercised only where PyWavelets is missing
@@ -351,10 +353,10 @@ class DerivedTensors:
 
 def cached_length(layer) -> int:
     """The number of keys a KV cache layer holds. Energy-gated layers keep per-key gate state in the cache, so the
-    layer must keep every key as written, at its position: a ``DynamicLayer`` or a ``StaticLayer`` (``DynamicCache``,
-    ``StaticCache``, their offloaded forms), or a sliding-window layer until its window starts dropping keys (the
-    statistics count every earlier token). Quantised layers alter the keys and raise, as does a full window."""
-    if type(layer) in (DynamicLayer, StaticLayer):
+    layer must keep every key as written, at its position: a ``DynamicLayer``, ``GrowingLayer`` or ``StaticLayer``
+    (``DynamicCache``, ``GrowingCache``, ``StaticCache``, their offloaded forms), or a sliding-window layer until its
+    window starts dropping keys (the statistics count every earlier token). Quantised layers alter the keys and raise, as does a full window."""
+    if type(layer) in (DynamicLayer, GrowingLayer, StaticLayer):
         return int(layer.get_seq_length())
     if type(layer) is DynamicSlidingWindowLayer:
         held = layer.values.shape[-2] if layer.is_initialized else 0

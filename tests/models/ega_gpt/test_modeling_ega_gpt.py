@@ -166,6 +166,27 @@ def test_projections_behind_hooks_are_called_not_folded():
     torch.testing.assert_close(step[:, 0], folded[:, 10], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("variant", ["EGA-1", "BASE"])
+def test_decoding_steps_use_copied_weights_only_for_plain_projections(variant):
+    """generate()'s decoding steps run the MLP (and gated layers' projections) from (in, out) copies of the weights;
+    a hooked MLP projection is called instead, and both give the uncached forward's logits."""
+    model = tiny_model(variant)
+    ids = padded_batch()[0][:, 5:]
+
+    def generated_logits_against_the_forward():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            full = model(out.sequences).logits
+        for step, logits in enumerate(out.logits):
+            torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
+
+    generated_logits_against_the_forward()
+    calls = []
+    model.model.h[0].mlp.c_fc.register_forward_hook(lambda module, args, output: calls.append(args[0].shape[1]))
+    generated_logits_against_the_forward()
+    assert calls.count(1) == 3  # the three decoding steps after the prompt, then the forward's full pass
+
+
 def test_lora_adapters_on_the_projections_take_effect():
     """PEFT LoRA on the attention and energy projections: the adapted model equals its merged weights."""
     from peft import LoraConfig, get_peft_model
