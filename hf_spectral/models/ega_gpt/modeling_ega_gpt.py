@@ -16,7 +16,7 @@ which computes the same numbers.
 
 The default KV cache (``generate()``'s, and a forward's with ``use_cache``) appends in place (``growing_cache.py``)
 rather than concatenating; decoding steps inside ``generate()`` multiply by (in, out) copies of the projection
-weights, the layout the CPU BLAS runs fastest at a few rows.
+weights where the CPU BLAS runs that layout faster (``DecodingLinear``).
 """
 
 from collections.abc import Callable
@@ -123,19 +123,18 @@ class EGAMLP(nn.Module):
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, hidden_states, decoding_weights: tuple | None = None):
-        if decoding_weights is not None:  # a decoding step: (in, out) copies of the weights (``decoding_weights``)
-            fc_weight, fc_bias, proj_weight, proj_bias = decoding_weights
-            hidden = self.act(linear_in_out(hidden_states, fc_weight, fc_bias))
-            return self.dropout(linear_in_out(hidden, proj_weight, proj_bias))
+        if decoding_weights is not None:  # a decoding step inside generate(): ``decoding_weights()``
+            fc, proj = decoding_weights
+            return self.dropout(proj(self.act(fc(hidden_states))))
         return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
 
     def decoding_weights(self) -> tuple | None:
-        """The projections' weights as (in, out) copies for ``linear_in_out``, with their biases; ``None`` where
-        the projections must be called (adapters, hooks: ``plain_linear``)."""
+        """The projections as ``DecodingLinear``\ s, or ``None`` where they must be called (adapters, hooks:
+        ``plain_linear``)."""
         if not (plain_linear(self.c_fc) and plain_linear(self.c_proj)):
             return None
-        return (self.c_fc.weight.t().contiguous(), self.c_fc.bias, self.c_proj.weight.t().contiguous(),
-                self.c_proj.bias)
+        return DecodingLinear.of(self.c_fc.weight, self.c_fc.bias), DecodingLinear.of(self.c_proj.weight,
+                                                                                       self.c_proj.bias)
 
 
 def plain_linear(module: nn.Module) -> bool:
@@ -146,32 +145,42 @@ def plain_linear(module: nn.Module) -> bool:
     )
 
 
-def linear_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight + bias for a weight held as (in, out), as GPT-2's Conv1D holds it: at a decoding step's few rows
-    (the batch) torch's CPU BLAS runs this layout 25-50% faster than ``F.linear``'s (out, in)
-    (``benchmarks/bench_decoding_parts.py``)."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = rows @ weight if bias is None else torch.addmm(bias, rows, weight)
-    return out.view(*x.shape[:-1], weight.shape[1])
+class DecodingLinear(NamedTuple):
+    """A projection as decoding steps run it: with its (out, in) weight through ``F.linear`` for up to 4 rows, and
+    beyond that with an (in, out) copy (GPT-2's Conv1D layout), which torch's CPU BLAS runs 10-20% faster at 8-32
+    rows and slower at 1-2 (``benchmarks/bench_decoding_parts.py``)."""
+
+    weight: torch.Tensor  # (out, in)
+    weight_in_out: torch.Tensor  # (in, out), contiguous
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "DecodingLinear":
+        return cls(weight, weight.t().contiguous(), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows <= 4:
+            return nn.functional.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1])
+        out = flat @ self.weight_in_out if self.bias is None else torch.addmm(self.bias, flat, self.weight_in_out)
+        return out.view(*x.shape[:-1], self.weight_in_out.shape[1])
 
 
 class CompiledDecodingPlan(NamedTuple):
-    """What an EGA layer's compiled decoding step keeps through a generation: the folded projections, as (in, out)
-    copies for ``linear_in_out``, and the gate step bound to the gate's constants
-    (``EGAAttention.build_decoding_plan``)."""
+    """What an EGA layer's compiled decoding step keeps through a generation: the folded projections and the gate
+    step bound to the gate's constants (``EGAAttention.build_decoding_plan``)."""
 
-    qkv_weight: torch.Tensor  # (hidden, folded q/k/v + energies)
-    qkv_bias: torch.Tensor
-    out_weight: torch.Tensor  # (folded heads, hidden): for attention outputs with the folded channels
-    proj_weight: torch.Tensor  # (hidden, hidden): for attention outputs of head_dim channels
-    out_bias: torch.Tensor | None
+    qkv: DecodingLinear  # hidden -> folded q/k/v + energies
+    folded_out: DecodingLinear  # folded heads -> hidden: for attention outputs with the folded channels
+    out: DecodingLinear  # heads -> hidden: for attention outputs of head_dim channels
     head_width: int  # channels per cached head: head_dim + the folded channels
     gate: CompiledCausalGate
 
 
 class BlockDecodingPlan(NamedTuple):
     """What a block keeps through a generation for its decoding steps: the attention's compiled plan and the MLP's
-    (in, out) weights, each ``None`` where it does not apply."""
+    projections, each ``None`` where it does not apply."""
 
     attention: CompiledDecodingPlan | None
     mlp: tuple | None
@@ -437,9 +446,9 @@ class EGAAttention(nn.Module):
             return None
         qkv_weight, qkv_bias = self._folded_qkv_weights(width)
         return CompiledDecodingPlan(
-            qkv_weight.t().contiguous(), qkv_bias,
-            folded_output_weight(self.c_proj.weight, self.num_heads, width).t().contiguous(),
-            self.c_proj.weight.t().contiguous(), self.c_proj.bias, self.head_dim + width, compiled_gate,
+            DecodingLinear.of(qkv_weight, qkv_bias),
+            DecodingLinear.of(folded_output_weight(self.c_proj.weight, self.num_heads, width), self.c_proj.bias),
+            DecodingLinear.of(self.c_proj.weight, self.c_proj.bias), self.head_dim + width, compiled_gate,
         )
 
     def _compiled_step_past(self, plan: CompiledDecodingPlan, hidden_states, cache) -> int:
@@ -468,7 +477,7 @@ class EGAAttention(nn.Module):
         """``_gated_forward`` for one new position without padding, the gate's arithmetic in one C call: the same
         q/k/v layout and cache contents, so that this and the torch code can take turns from step to step."""
         batch = hidden_states.shape[0]
-        projected = linear_in_out(hidden_states, plan.qkv_weight, plan.qkv_bias)
+        projected = plan.qkv(hidden_states)
         if projected.dtype != torch.float32:  # autocast: the C code reads and writes float32 only
             return self._gated_forward(hidden_states, attention_mask, None, cache, **kwargs)
         values = cache.layers[self.layer_idx].values
@@ -477,10 +486,9 @@ class EGAAttention(nn.Module):
         if self._compiled_attention_applies(attention_mask):
             attn_output = decoding_attention_with_key_bias(query, key, value, self.head_dim, self.scaling)
             if attn_output is not None:
-                return self.resid_dropout(linear_in_out(attn_output.view(batch, 1, -1), plan.proj_weight,
-                                                        plan.out_bias)), None
+                return self.resid_dropout(plan.out(attn_output.view(batch, 1, -1))), None
         attn_output, attn_weights = self._attend(query, key, value, attention_mask, **kwargs)
-        attn_output = linear_in_out(attn_output.reshape(batch, 1, -1), plan.out_weight, plan.out_bias)
+        attn_output = plan.folded_out(attn_output.reshape(batch, 1, -1))
         return self.resid_dropout(attn_output), attn_weights
 
     def _projections_fusable(self) -> bool:

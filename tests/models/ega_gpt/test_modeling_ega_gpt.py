@@ -166,12 +166,14 @@ def test_projections_behind_hooks_are_called_not_folded():
     torch.testing.assert_close(step[:, 0], folded[:, 10], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [3, 6], ids=["(out, in) weights", "(in, out) copies"])
 @pytest.mark.parametrize("variant", ["EGA-1", "BASE"])
-def test_decoding_steps_use_copied_weights_only_for_plain_projections(variant):
-    """generate()'s decoding steps run the MLP (and gated layers' projections) from (in, out) copies of the weights;
-    a hooked MLP projection is called instead, and both give the uncached forward's logits."""
+def test_decoding_steps_use_copied_weights_only_for_plain_projections(variant, rows):
+    """generate()'s decoding steps run the MLP (and gated layers' projections) through ``DecodingLinear`` (the
+    weights' (in, out) copies beyond 4 rows); a hooked MLP projection is called instead, and both give the uncached
+    forward's logits."""
     model = tiny_model(variant)
-    ids = padded_batch()[0][:, 5:]
+    ids = torch.cat([padded_batch(seed)[0][:, 5:] for seed in range(2)])[:rows]
 
     def generated_logits_against_the_forward():
         out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -327,7 +329,8 @@ def test_save_and_load_round_trip_exactly(tmp_path):
 def test_loads_with_trust_remote_code_where_hf_spectral_is_not_installed(tmp_path):
     model = tiny_model("EGA-C")
     model.save_pretrained(tmp_path / "checkpoint")
-    for name in ("modeling_ega_gpt.py", "energy_gate.py", "configuration_ega_gpt.py", "sequence_pooling.py"):
+    for name in ("modeling_ega_gpt.py", "energy_gate.py", "configuration_ega_gpt.py", "sequence_pooling.py",
+                 "growing_cache.py", "compiled_kernels.py"):
         assert (tmp_path / "checkpoint" / name).exists(), name
     ids, mask = padded_batch()
     with torch.no_grad():
