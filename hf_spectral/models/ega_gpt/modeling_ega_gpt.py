@@ -146,9 +146,9 @@ def plain_linear(module: nn.Module) -> bool:
 
 
 class DecodingLinear(NamedTuple):
-    """A projection as decoding steps run it: with its (out, in) weight through ``F.linear`` for up to 4 rows, and
-    beyond that with an (in, out) copy (GPT-2's Conv1D layout), which torch's CPU BLAS runs 10-20% faster at 8-32
-    rows and slower at 1-2 (``benchmarks/bench_decoding_parts.py``)."""
+    """A projection as decoding steps run it: with its (out, in) weight through ``F.linear`` for up to 8 rows, and
+    beyond that with an (in, out) copy (GPT-2's Conv1D layout), which torch's CPU BLAS runs in 0.68-0.83x the time
+    at 32 rows; at 1-8 rows neither layout wins consistently (``benchmarks/bench_decoding_parts.py``)."""
 
     weight: torch.Tensor  # (out, in)
     weight_in_out: torch.Tensor  # (in, out), contiguous
@@ -160,7 +160,7 @@ class DecodingLinear(NamedTuple):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows <= 4:
+        if rows <= 8:
             return nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])
         out = flat @ self.weight_in_out if self.bias is None else torch.addmm(self.bias, flat, self.weight_in_out)

@@ -166,14 +166,14 @@ def test_projections_behind_hooks_are_called_not_folded():
     torch.testing.assert_close(step[:, 0], folded[:, 10], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [3, 6], ids=["(out, in) weights", "(in, out) copies"])
+@pytest.mark.parametrize("rows", [3, 10], ids=["(out, in) weights", "(in, out) copies"])
 @pytest.mark.parametrize("variant", ["EGA-1", "BASE"])
 def test_decoding_steps_use_copied_weights_only_for_plain_projections(variant, rows):
     """generate()'s decoding steps run the MLP (and gated layers' projections) through ``DecodingLinear`` (the
-    weights' (in, out) copies beyond 4 rows); a hooked MLP projection is called instead, and both give the uncached
+    weights' (in, out) copies beyond 8 rows); a hooked MLP projection is called instead, and both give the uncached
     forward's logits."""
     model = tiny_model(variant)
-    ids = torch.cat([padded_batch(seed)[0][:, 5:] for seed in range(2)])[:rows]
+    ids = torch.cat([padded_batch(seed)[0][:, 5:] for seed in range(4)])[:rows]
 
     def generated_logits_against_the_forward():
         out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
