@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_spectral.models.ega_gpt.compiled_kernels import decoding_attention_with_key_bias  # noqa: E402
 from hf_spectral.models.ega_gpt.growing_cache import GrowingLayer  # noqa: E402
-from hf_spectral.models.ega_gpt.modeling_ega_gpt import DecodingLinear  # noqa: E402
 from transformers.cache_utils import DynamicLayer  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, FOLDED, MLP = 256, 8, 32, 34, 1024
@@ -73,7 +72,7 @@ def projections(rows: int, repeats: int) -> list[dict]:
     shapes = [(HIDDEN, 3 * HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, MLP), (MLP, HIDDEN)]
     weights = [torch.randn(out, inp, generator=generator) * 0.05 for inp, out in shapes]
     biases = [torch.randn(w.shape[0], generator=generator) for w in weights]
-    copies = [DecodingLinear.of(w, b).weight_in_out for w, b in zip(weights, biases)]
+    copies = [w.t().contiguous() for w in weights]  # as DecodingLinear copies them
     inputs = [torch.randn(rows, 1, w.shape[1], generator=generator) for w in weights]
 
     def linear():

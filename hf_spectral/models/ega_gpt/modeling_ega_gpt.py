@@ -129,11 +129,11 @@ class EGAMLP(nn.Module):
         return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
 
     def decoding_weights(self) -> tuple | None:
-        """The projections as ``DecodingLinear``\ s, or ``None`` where they must be called (adapters, hooks:
+        """The projections as ``DecodingLinear`` objects, or ``None`` where they must be called (adapters, hooks:
         ``plain_linear``)."""
         if not (plain_linear(self.c_fc) and plain_linear(self.c_proj)):
             return None
-        return DecodingLinear.of(self.c_fc.weight, self.c_fc.bias), DecodingLinear.of(self.c_proj.weight,
+        return DecodingLinear(self.c_fc.weight, self.c_fc.bias), DecodingLinear(self.c_proj.weight,
                                                                                        self.c_proj.bias)
 
 
@@ -145,26 +145,27 @@ def plain_linear(module: nn.Module) -> bool:
     )
 
 
-class DecodingLinear(NamedTuple):
+class DecodingLinear:
     """A projection as decoding steps run it: with its (out, in) weight through ``F.linear`` for up to 8 rows, and
-    beyond that with an (in, out) copy (GPT-2's Conv1D layout), which torch's CPU BLAS runs in 0.68-0.83x the time
-    at 32 rows; at 1-8 rows neither layout wins consistently (``benchmarks/bench_decoding_parts.py``)."""
+    beyond that with an (in, out) copy (GPT-2's Conv1D layout), which torch's CPU BLAS runs in 0.61-0.83x the time
+    at 32 rows; at 1-8 rows neither layout wins consistently (``benchmarks/bench_decoding_parts.py``). The copy is
+    made at the first call with more rows and lives as long as this object (one ``generate()`` call): at batch > 8
+    a generation holds the weights of its projections twice."""
 
-    weight: torch.Tensor  # (out, in)
-    weight_in_out: torch.Tensor  # (in, out), contiguous
-    bias: torch.Tensor | None
+    __slots__ = ("weight", "bias", "_weight_in_out")
 
-    @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "DecodingLinear":
-        return cls(weight, weight.t().contiguous(), bias)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias, self._weight_in_out = weight, bias, None  # weight: (out, in)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows <= 8:
             return nn.functional.linear(x, self.weight, self.bias)
+        if self._weight_in_out is None:
+            self._weight_in_out = self.weight.t().contiguous()
         flat = x.reshape(rows, x.shape[-1])
-        out = flat @ self.weight_in_out if self.bias is None else torch.addmm(self.bias, flat, self.weight_in_out)
-        return out.view(*x.shape[:-1], self.weight_in_out.shape[1])
+        out = flat @ self._weight_in_out if self.bias is None else torch.addmm(self.bias, flat, self._weight_in_out)
+        return out.view(*x.shape[:-1], self.weight.shape[0])
 
 
 class CompiledDecodingPlan(NamedTuple):
@@ -446,9 +447,9 @@ class EGAAttention(nn.Module):
             return None
         qkv_weight, qkv_bias = self._folded_qkv_weights(width)
         return CompiledDecodingPlan(
-            DecodingLinear.of(qkv_weight, qkv_bias),
-            DecodingLinear.of(folded_output_weight(self.c_proj.weight, self.num_heads, width), self.c_proj.bias),
-            DecodingLinear.of(self.c_proj.weight, self.c_proj.bias), self.head_dim + width, compiled_gate,
+            DecodingLinear(qkv_weight, qkv_bias),
+            DecodingLinear(folded_output_weight(self.c_proj.weight, self.num_heads, width), self.c_proj.bias),
+            DecodingLinear(self.c_proj.weight, self.c_proj.bias), self.head_dim + width, compiled_gate,
         )
 
     def _compiled_step_past(self, plan: CompiledDecodingPlan, hidden_states, cache) -> int:
