@@ -16,13 +16,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import time_alternating  # noqa: E402
 from hf_spectral.models.ega_gpt.compiled_kernels import decoding_attention_with_key_bias  # noqa: E402
 from hf_spectral.models.ega_gpt.growing_cache import GrowingLayer  # noqa: E402
 from transformers.cache_utils import DynamicLayer  # noqa: E402
@@ -31,17 +31,8 @@ HIDDEN, HEADS, HEAD_DIM, FOLDED, MLP = 256, 8, 32, 34, 1024
 
 
 def alternating_medians(fns: dict, repeats: int, before_each=None) -> dict:
-    """Median seconds per call of each function, called in turn ``repeats`` times."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            if before_each is not None:
-                before_each()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    """Median wall-clock seconds per call of each function, called in turn (``timing.time_alternating``)."""
+    times = time_alternating(fns, repeats, warmup=1, before_each=before_each)["wall"]
     return {name: statistics.median(values) for name, values in times.items()}
 
 

@@ -10,8 +10,9 @@ import statistics
 import time
 
 
-def time_alternating(fns: dict, repeats: int, warmup: int = 2) -> dict:
-    """Call each function in turn ``repeats`` times (after ``warmup`` rounds).
+def time_alternating(fns: dict, repeats: int, warmup: int = 2, before_each=None) -> dict:
+    """Call each function in turn ``repeats`` times (after ``warmup`` rounds); ``before_each``, if given, runs
+    untimed before every timed call (e.g. to evict the CPU caches).
 
     Returns ``{"wall": {name: [seconds, ...]}, "cpu": {name: [seconds, ...]}}``.
     """
@@ -21,6 +22,8 @@ def time_alternating(fns: dict, repeats: int, warmup: int = 2) -> dict:
     times = {"wall": {name: [] for name in fns}, "cpu": {name: [] for name in fns}}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if before_each is not None:
+                before_each()
             wall, cpu = time.perf_counter(), time.process_time()
             fn()
             times["cpu"][name].append(time.process_time() - cpu)

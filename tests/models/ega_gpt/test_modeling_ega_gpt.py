@@ -53,6 +53,18 @@ def assert_close_on_tokens(a, b, mask, atol=1e-5):
     torch.testing.assert_close(a * mask[..., None], b * mask[..., None], atol=atol, rtol=0)
 
 
+def assert_generation_matches_the_forward(model, ids, max_new_tokens=4):
+    """Greedy generate() from unpadded ``ids``: every step's logits equal the uncached forward's over the generated
+    sequence. Returns the sequences."""
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    with torch.no_grad():
+        full = model(out.sequences).logits
+    for step, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
+    return out.sequences
+
+
 @pytest.mark.parametrize("variant", list(KINDS))
 def test_alpha_zero_gives_exactly_the_ungated_model(variant):
     gated = tiny_model(variant, gate_alpha_init=0.0)
@@ -131,20 +143,11 @@ def test_generation_keeps_up_with_weight_updates():
     two calls — here through ``.data``, which no version counter sees (as PEFT's merge does) — must reach the next."""
     model = tiny_model("EGA-1")
     ids = padded_batch()[0][:, 5:]
-
-    def check_generated_logits_against_the_forward():
-        out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        with torch.no_grad():
-            full = model(out.sequences).logits
-        for step, logits in enumerate(out.logits):
-            torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
-        return out.sequences
-
-    before = check_generated_logits_against_the_forward()
+    before = assert_generation_matches_the_forward(model, ids)
     for block in model.model.h:
         block.attn.c_attn.weight.data += 0.2 * torch.randn_like(block.attn.c_attn.weight)
         block.attn.energy_gate.alpha.data.mul_(-2.0)
-    after = check_generated_logits_against_the_forward()
+    after = assert_generation_matches_the_forward(model, ids)
     assert not torch.equal(before, after)
 
 
@@ -174,18 +177,10 @@ def test_decoding_steps_use_copied_weights_only_for_plain_projections(variant, r
     forward's logits."""
     model = tiny_model(variant)
     ids = torch.cat([padded_batch(seed)[0][:, 5:] for seed in range(4)])[:rows]
-
-    def generated_logits_against_the_forward():
-        out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        with torch.no_grad():
-            full = model(out.sequences).logits
-        for step, logits in enumerate(out.logits):
-            torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
-
-    generated_logits_against_the_forward()
+    assert_generation_matches_the_forward(model, ids)
     calls = []
     model.model.h[0].mlp.c_fc.register_forward_hook(lambda module, args, output: calls.append(args[0].shape[1]))
-    generated_logits_against_the_forward()
+    assert_generation_matches_the_forward(model, ids)
     assert calls.count(1) == 3  # the three decoding steps after the prompt, then the forward's full pass
 
 
