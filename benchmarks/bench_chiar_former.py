@@ -148,12 +148,12 @@ def attention_kernel_times(routed_attention, dense_attention, states, phases, qu
         key = apply_rotary(dense_attention._heads(key), phases).transpose(1, 2).contiguous()
         value = dense_attention._heads(value).transpose(1, 2).contiguous()
         query = apply_rotary(dense_attention._heads(dense_attention.q_proj(states)), phases).transpose(1, 2).contiguous()
-        rows, cols = queries.nonzero(as_tuple=True)
-        routed_query = query.transpose(1, 2)[rows, cols]
+        selected = queries.reshape(-1).nonzero().squeeze(1)
+        routed_query = query.transpose(1, 2).flatten(0, 1).index_select(0, selected)
         return interleaved_times(
             {
                 "dense": lambda: dense_attention._attend(query, key, value, None),
-                "routed": lambda: routed_attention._attend_sparse(routed_query, key, value, rows, cols, None),
+                "routed": lambda: routed_attention._attend_sparse(routed_query, key, value, queries, selected, 0, None),
             },
             repeats,
         )

@@ -250,6 +250,38 @@ def test_rotary_scores_depend_only_on_relative_position():
     torch.testing.assert_close(rotated.norm(), q.norm())
 
 
+def test_rotary_in_place_rotates_the_tensor_itself_and_keeps_its_gradients():
+    """``in_place`` on a projection's output (the key half of a fused key/value product, a strided slice) gives the
+    out-of-place result in the same memory, and gradients through it equal the out-of-place ones; tensors it cannot
+    rotate in place (not float32, odd offsets) get a new tensor and stay unchanged."""
+    generator = torch.Generator().manual_seed(32)
+    states = torch.randn(2, 5, 12, generator=generator)
+    weight = torch.randn(24, 12, generator=generator, requires_grad=True)
+    phases = ops.rotary_phases(torch.arange(5).expand(2, 5), 4, 10000.0)
+
+    def keys(in_place):
+        key_value = states @ weight.t()
+        key = key_value[..., :12].reshape(2, 5, 3, 4)
+        rotated = ops.apply_rotary(key, phases, in_place=in_place)
+        return key_value, key, rotated
+
+    key_value, key, rotated = keys(in_place=True)
+    assert rotated is key and rotated.data_ptr() == key_value.data_ptr()
+    _, _, expected = keys(in_place=False)
+    torch.testing.assert_close(rotated, expected)
+    upstream = torch.randn(2, 5, 3, 4, generator=generator)
+    (grad,) = torch.autograd.grad((rotated * upstream).sum() + key_value[..., 12:].sum(), weight)
+    (expected_grad,) = torch.autograd.grad((expected * upstream).sum() + keys(False)[0][..., 12:].sum(), weight)
+    torch.testing.assert_close(grad, expected_grad)
+
+    for unrotatable in (key.detach().double(), key.detach().flatten(-2)[..., 1:9].reshape(2, 5, 2, 4)):
+        before = unrotatable.clone()
+        out = ops.apply_rotary(unrotatable, phases, in_place=True)
+        assert out.data_ptr() != unrotatable.data_ptr()
+        torch.testing.assert_close(unrotatable, before)
+        torch.testing.assert_close(out, ops.apply_rotary(before, phases).to(out.dtype))
+
+
 # --- routing ----------------------------------------------------------------------------------------------------
 
 

@@ -220,14 +220,14 @@ def cached_recurrent_state(cache: Cache | None, layer_idx: int) -> torch.Tensor 
 
 
 def _compiled_routed_attention() -> Callable | None:
-    """The compiled attention for gathered queries (``causal_attention_at_positions``, shared with EGA-GPT), or
+    """The compiled attention for gathered queries (``causal_attention_at_row_positions``, shared with EGA-GPT), or
     ``None`` where this folder runs outside the hf_spectral package (loaded with ``trust_remote_code``): the torch
     code then computes the same result. Imported by name so that this folder stays self-contained for the Hub."""
     try:
         module = importlib.import_module("..ega_gpt.compiled_kernels", __package__)
     except (ImportError, TypeError, ValueError):
         return None
-    return module.causal_attention_at_positions
+    return module.causal_attention_at_row_positions
 
 
 class ChiarAttention(nn.Module):
@@ -270,23 +270,30 @@ class ChiarAttention(nn.Module):
         (B, past + T) and the query slots."""
         # (batch, heads, positions, head_dim) made contiguous: SDPA's CPU kernels run ≈ 10% faster on it than on
         # the transposed projection. The compiled kernel for routed queries reads any strides: no copies.
-        key, value = self.kv_proj(hidden_states).chunk(2, dim=-1)
-        key = apply_rotary(self._heads(key), rotary).transpose(1, 2)
+        # RoPE rotates the projections' fresh outputs in place (apply_rotary's in_place): no second tensor of their size.
+        # (Slices, not chunk(): autograd forbids in-place writes to views from a function returning several.)
+        key_value = self.kv_proj(hidden_states)
+        key, value = key_value[..., : self.config.hidden_size], key_value[..., self.config.hidden_size :]
+        key = apply_rotary(self._heads(key), rotary, in_place=True).transpose(1, 2)
         value = self._heads(value).transpose(1, 2)
         if queries is None or self._compiled_sparse_attention(key, key_valid) is None:
             key, value = key.contiguous(), value.contiguous()
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         if queries is None:
-            query = apply_rotary(self._heads(self.q_proj(hidden_states)), rotary).transpose(1, 2).contiguous()
-            attn_output, attn_weights = self._attend(query, key, value, attention_mask, **kwargs)
+            query = apply_rotary(self._heads(self.q_proj(hidden_states)), rotary, in_place=True)
+            attn_output, attn_weights = self._attend(query.transpose(1, 2).contiguous(), key, value, attention_mask, **kwargs)
             attn_output = attn_output.reshape(*attn_output.shape[:2], -1)
             return self.dropout(self.o_proj(attn_output)), attn_weights
-        rows, cols = queries.nonzero(as_tuple=True)
-        if rows.numel() == 0:  # no token routed here: only the cache grew
+        # Token b * T + t of the flattened batch: one index_select gathers the routed rows (cheaper than indexing by
+        # (row, column) pairs), in row order, as the attention takes them.
+        selected = queries.reshape(-1).nonzero().squeeze(1)
+        if selected.numel() == 0:  # no token routed here: only the cache grew
             return hidden_states.new_zeros(0, hidden_states.shape[-1]), None
-        query = apply_rotary(self._heads(self.q_proj(hidden_states[rows, cols]))[None], rotary[rows, cols][None])[0]
-        attn_output = self._attend_sparse(query, key, value, rows, past_length + cols, key_valid, **kwargs)
+        query = self.q_proj(hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, selected))
+        query_phases = rotary.reshape(-1, rotary.shape[-1]).index_select(0, selected)
+        query = apply_rotary(self._heads(query)[None], query_phases[None], in_place=True)[0]
+        attn_output = self._attend_sparse(query, key, value, queries, selected, past_length, key_valid, **kwargs)
         return self.dropout(self.o_proj(attn_output.reshape(attn_output.shape[0], -1))), None
 
     def _attend(self, query, key, value, attention_mask, **kwargs):
@@ -296,27 +303,28 @@ class ChiarAttention(nn.Module):
         dropout = self.config.attention_dropout if self.training else 0.0
         return attention_interface(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs)
 
-    def _attend_sparse(self, query, key, value, rows, slots, key_valid, **kwargs):
-        """Routed queries (N, heads, head_dim) of batch rows ``rows`` at key slots ``slots`` (both (N,), ordered by row,
-        then position) -> (N, heads, head_dim). Each row attends on its own, so no row pads its queries to another's
-        count. Causal queries skip most future keys as a dense causal kernel skips them: through the compiled kernel
-        where it applies (``_compiled_sparse_attention``), else in masked chunks, each against the key prefix its
-        last query can see."""
-        counts = torch.bincount(rows, minlength=key.shape[0]).tolist()
+    def _attend_sparse(self, query, key, value, queries, selected, past_length, key_valid, **kwargs):
+        """Routed queries (N, heads, head_dim), the tokens ``selected`` (N,) of the flattened (B, T) ``queries`` mask,
+        ordered by row, then position, at key slots past_length + t -> (N, heads, head_dim). Each row attends on its
+        own, so no row pads its queries to another's count. Causal queries skip most future keys as a dense causal
+        kernel skips them: through the compiled kernel where it applies (``_compiled_sparse_attention``, every row
+        in one call), else in masked chunks, each against the key prefix its last query can see."""
+        length = queries.shape[1]
+        slots = selected % length + past_length
         compiled = self._compiled_sparse_attention(key, key_valid)
         dropout = self.config.attention_dropout if self.training else 0.0
+        if compiled is not None:
+            row_starts = selected.new_zeros(key.shape[0] + 1)
+            torch.cumsum(queries.sum(1), 0, out=row_starts[1:])
+            out = compiled(query, key, value, slots, row_starts, self.scaling, dropout)
+            if out is not None:
+                return out
+        counts = queries.sum(1).tolist()
         outputs = []
         for row, row_query, row_slots in zip(range(key.shape[0]), query.split(counts), slots.split(counts)):
             if row_query.shape[0] == 0:
                 continue
-            row_query, row_slots = row_query.transpose(0, 1)[None], row_slots[None]
-            if compiled is not None:
-                out = compiled(row_query, key[row : row + 1], value[row : row + 1], row_slots, self.scaling, dropout)
-                if out is not None:
-                    outputs.append(out[0])
-                    continue
-                compiled = None  # the kernel is not available here: the torch chunks for this row and the rest
-            row_query = row_query.contiguous()
+            row_query, row_slots = row_query.transpose(0, 1)[None].contiguous(), row_slots[None]
             row_valid = None if key_valid is None else key_valid[row : row + 1]
             chunks = query_chunks(row_slots) if self.is_causal else [(0, row_slots.shape[1], key.shape[2])]
             for start, end, key_length in chunks:
@@ -333,7 +341,7 @@ class ChiarAttention(nn.Module):
         return torch.cat(outputs, 0)
 
     def _compiled_sparse_attention(self, key, key_valid) -> Callable | None:
-        """The compiled attention routed queries go through (``causal_attention_at_positions``: for each block of 64
+        """The compiled attention routed queries go through (``causal_attention_at_row_positions``: for each block of 64
         queries only the keys its last query sees, no mask tensor), or ``None`` where it does not apply: causal
         layers without padding on the SDPA backend, in float32 on CPU, with the plugin installed."""
         if (

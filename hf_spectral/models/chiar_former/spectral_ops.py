@@ -322,11 +322,20 @@ def rotary_phases(position_ids: torch.Tensor, head_dim: int, theta: float) -> to
     return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rotary(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, phases: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """Rotate each channel pair (x_{2j}, x_{2j+1}) of x (B, T, heads, head_dim) by the phases (B, T, head_dim/2)
     (RoFormer, Su et al. 2021, in its complex form): q·k then depends on positions only through their difference.
-    One complex multiply instead of the rotate-half formulation's four elementwise passes."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    One complex multiply instead of the rotate-half formulation's four elementwise passes.
+
+    ``in_place``: rotate x's own memory and return x, where x is float32 with adjacent channel pairs (else a new
+    tensor as without it). For a projection's fresh output, which nothing else reads, this saves allocating and
+    writing a second tensor of its size."""
+    if in_place and x.dtype == torch.float32 and x.stride(-1) == 1 and x.storage_offset() % 2 == 0 and all(
+        stride % 2 == 0 for stride in x.stride()[:-1]
+    ):
+        torch.view_as_complex(x.unflatten(-1, (-1, 2))).mul_(phases[:, :, None])
+        return x
+    pairs = torch.view_as_complex(x.float().contiguous().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(pairs * phases[:, :, None]).flatten(-2).to(x.dtype)
 
 

@@ -19,7 +19,8 @@ attention with the bias added to the scores, in blocks of 64 queries (one BLAS p
 the keys its last query sees, a vectorised row softmax with the causal cut by index, a second product for the
 values; the backward recomputes the probabilities from the saved log-sum-exp, as flash attention does), with
 attention dropout drawn from a hash of a seed so that the backward redraws the forward's mask. Queries may sit at
-any ascending key positions: CHIAR's routed tokens use the same kernel (``causal_attention_at_positions``).
+any ascending key positions, and rows may have different query counts: CHIAR's routed tokens use the same kernel
+(``causal_attention_at_row_positions``).
 ``ega_decode_attention_key_bias`` attends one decoding step over a cache in the folded layout. The products call the
 ``sgemm_`` of the BLAS torch links (MKL in the x86 wheels); heads are shared among torch's threads through OpenMP
 where the compiler has it.
@@ -328,15 +329,30 @@ static void dropout_factors(float *factors, int64_t width, uint64_t seed, uint64
 
 /* One call's shapes and options. Query r of batch row b sits at key slot positions[b * query_length + r] (ascending
  * within a row) and sees keys 0 ... that slot; positions NULL: query r at slot r (a dense causal pass, as many
- * queries as keys). */
+ * queries as keys). row_starts (B + 1 offsets) or NULL: rows with their own query counts, row b's queries being
+ * queries row_starts[b] ... row_starts[b + 1] - 1 of one sequence of query_length (the caller hands query and out
+ * with batch stride 0, log_sum_exp as (B, H, query_length)), so that one call serves rows routed unevenly. */
 typedef struct {
     int64_t batch, heads, query_length, key_length, head_dim;
     float scale, dropout;  /* dropout: attention dropout probability, 0 for none */
     uint64_t seed;         /* of the dropout mask */
     const int64_t *positions;
+    const int64_t *row_starts;
 } AttentionShape;
 
 static int64_t query_slot(const int64_t *positions, int64_t r) { return positions ? positions[r] : r; }
+
+/* Batch row b's first query and query count. */
+static int64_t first_query(const AttentionShape *shape, int64_t b) { return shape->row_starts ? shape->row_starts[b] : 0; }
+static int64_t query_count(const AttentionShape *shape, int64_t b)
+{
+    return shape->row_starts ? shape->row_starts[b + 1] - shape->row_starts[b] : shape->query_length;
+}
+static const int64_t *row_positions(const AttentionShape *shape, int64_t b)
+{
+    if (shape->positions == 0) return 0;
+    return shape->positions + (shape->row_starts ? shape->row_starts[b] : b * shape->query_length);
+}
 
 /* A (batch, head) slice of a (B, H, N, C) tensor given by its data pointer and element strides (batch, head,
  * position; channels adjacent): where its position 0 starts, and how far apart its positions are. */
@@ -356,12 +372,14 @@ static void attend_head(sgemm_fn sgemm, const AttentionShape *shape, int64_t b, 
                         HeadRows key, HeadRows value, const float *bias, HeadRows out, float *log_sum_exp, float *work)
 {
     const float one = 1.0f, zero = 0.0f;
-    const int64_t *positions = shape->positions ? shape->positions + b * shape->query_length : 0;
+    const int64_t *positions = row_positions(shape, b), count = query_count(shape, b), first = first_query(shape, b);
     const uint64_t first_index = (uint64_t)((b * shape->heads + h) * shape->query_length * shape->key_length);
     float *factors = work + ATTENTION_BLOCK * shape->key_length;
-    for (int64_t start = 0; start < shape->query_length; start += ATTENTION_BLOCK) {
-        const int64_t rows = shape->query_length - start < ATTENTION_BLOCK ? shape->query_length - start
-                                                                            : ATTENTION_BLOCK;
+    query.start += first * query.row;
+    out.start += first * out.row;
+    if (log_sum_exp) log_sum_exp += first;
+    for (int64_t start = 0; start < count; start += ATTENTION_BLOCK) {
+        const int64_t rows = count - start < ATTENTION_BLOCK ? count - start : ATTENTION_BLOCK;
         const int64_t width = query_slot(positions, start + rows - 1) + 1; /* the keys the block's last query sees */
         float inverse_sums[ATTENTION_BLOCK];
         /* scores (rows x width, row-major) = scale * Q_block K^T, i.e. column-major K Q^T */
@@ -430,10 +448,15 @@ static void attend_head_backward(sgemm_fn sgemm, const AttentionShape *shape, in
 {
     const float one = 1.0f, zero = 0.0f;
     const int64_t head_dim = shape->head_dim, key_length = shape->key_length;
-    const int64_t *positions = shape->positions ? shape->positions + b * shape->query_length : 0;
+    const int64_t *positions = row_positions(shape, b), count = query_count(shape, b), first = first_query(shape, b);
     const uint64_t first_index = (uint64_t)((b * shape->heads + h) * shape->query_length * key_length);
     float *probabilities = work, *grad_scores = work + ATTENTION_BLOCK * key_length;
     float *factors = work + 2 * ATTENTION_BLOCK * key_length;
+    query.start += first * query.row;
+    out.start += first * out.row;
+    grad_out.start += first * grad_out.row;
+    grad_query.start += first * grad_query.row;
+    log_sum_exp += first;
     for (int64_t j = 0; j < key_length; ++j) {
         grad_bias[j] = 0.0f;
         for (int64_t c = 0; c < head_dim; ++c) {
@@ -441,9 +464,8 @@ static void attend_head_backward(sgemm_fn sgemm, const AttentionShape *shape, in
             grad_value.start[j * grad_value.row + c] = 0.0f;
         }
     }
-    for (int64_t start = 0; start < shape->query_length; start += ATTENTION_BLOCK) {
-        const int64_t rows = shape->query_length - start < ATTENTION_BLOCK ? shape->query_length - start
-                                                                            : ATTENTION_BLOCK;
+    for (int64_t start = 0; start < count; start += ATTENTION_BLOCK) {
+        const int64_t rows = count - start < ATTENTION_BLOCK ? count - start : ATTENTION_BLOCK;
         const int64_t width = query_slot(positions, start + rows - 1) + 1;
         const float *query_block = query.start + start * query.row;
         const float *grad_out_block = grad_out.start + start * grad_out.row;
@@ -577,6 +599,22 @@ int ega_decode_attention_key_bias(
     }                                                                                                                 \
     return failed ? -1 : 0;
 
+/* Whether the rows' query counts add up and each row's positions ascend within [0, key_length): checked here, where it
+ * costs a pass over a few integers, rather than by torch reductions that each synchronise. */
+static int valid_positions(const AttentionShape *shape)
+{
+    if (shape->row_starts && (shape->row_starts[0] != 0 || shape->row_starts[shape->batch] != shape->query_length))
+        return 0;
+    for (int64_t b = 0; b < shape->batch; ++b) {
+        const int64_t *positions = row_positions(shape, b), count = query_count(shape, b);
+        if (count < 0) return 0;
+        if (positions == 0) continue;
+        for (int64_t r = 0; r < count; ++r)
+            if (positions[r] < (r ? positions[r - 1] : 0) || positions[r] >= shape->key_length) return 0;
+    }
+    return 1;
+}
+
 /* Causal attention with a per-key logit bias for every (batch, head): query (B, H, query_length, D), key and value
  * (B, H, key_length, D), out (B, H, query_length, D) given by data pointer and element strides (batch, head,
  * position; channels adjacent), bias (B, H, key_length) by its strides, or NULL; log_sum_exp (B, H, query_length)
@@ -587,6 +625,7 @@ int ega_attention_forward(
     const float *bias, const int64_t *bias_strides, float *out, const int64_t *out_strides, float *log_sum_exp,
     int threads)
 {
+    if (!valid_positions(shape)) return -2;
     FOR_EACH_HEAD(ATTENTION_BLOCK + 2,
         attend_head(sgemm, shape, b, h, head_rows(query, query_strides, b, h), head_rows(key, key_strides, b, h),
                     head_rows(value, value_strides, b, h), bias_row, head_rows(out, out_strides, b, h),
@@ -795,43 +834,45 @@ def causal_attention_with_key_bias(
     return _CompiledAttention.apply(qkv, None, None, bias, None, scaling, float(dropout), kernel)
 
 
-def causal_attention_at_positions(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, scaling: float,
-    dropout: float = 0.0,
+def causal_attention_at_row_positions(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, row_starts: torch.Tensor,
+    scaling: float, dropout: float = 0.0,
 ) -> torch.Tensor | None:
-    """Causal attention of queries gathered from some positions (CHIAR's routed tokens) over all keys, in C: query r
-    of row b sits at key slot ``positions[b, r]`` and sees keys 0 … that slot, and only the keys its block of queries
-    can see are computed, so the work falls with the number of queries as a dense causal kernel's does with T.
+    """Causal attention of queries gathered from some positions (CHIAR's routed tokens) over all keys, in C: a query
+    at key slot p sees keys 0 … p of its row, and only the keys its block of 64 queries can see are computed, so the
+    work falls with the number of queries as a dense causal kernel's does with T. The queries are those of batch
+    row 0, then of row 1, ... (``mask.nonzero()`` order): rows may have different counts, none pads its queries to
+    another's, and one call serves them all.
 
     Args:
-        query: (B, H, M, D); key, value: (B, H, S, D); float32 on CPU, channels adjacent, other strides free.
-        positions: (B, M) integer key slots, ascending within each row, each in [0, S).
-        scaling: the scores' scale; dropout: attention dropout probability.
+        query: (N, H, D); key, value: (B, H, S, D); float32 on CPU, channels adjacent, other strides free.
+        positions: (N,) int64 key slots, contiguous, ascending within each row, each in [0, S) (checked in C, where
+            it costs no synchronising torch reductions).
+        row_starts: (B + 1,) int64 offsets into the N queries, contiguous: row b's queries are
+            ``row_starts[b] … row_starts[b + 1] - 1``; row_starts[0] = 0 and row_starts[B] = N.
 
     Returns:
-        (B, M, H, D), contiguous, or ``None`` where the kernel is not available. Differentiable with respect to
-        query, key and value.
+        (N, H, D), contiguous, or ``None`` where the kernel is not available. Differentiable with respect to query,
+        key and value.
     """
-    batch, heads, count, head_dim = query.shape
-    if key.shape[:2] != (batch, heads) or key.shape[3] != head_dim or value.shape != key.shape:
+    batch, heads, _, head_dim = key.shape
+    if query.dim() != 3 or query.shape[1:] != (heads, head_dim) or value.shape != key.shape:
         raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} do not "
-                         "fit (B, H, M, D), (B, H, S, D), (B, H, S, D)")
-    if any(t.stride(-1) != 1 or t.stride(2) < head_dim for t in (query, key, value)):
+                         "fit (N, H, D), (B, H, S, D), (B, H, S, D)")
+    if any(t.stride(-1) != 1 or t.stride(-2) < head_dim for t in (query, key, value)):
         raise ValueError("query, key and value need adjacent channels")
-    if positions.shape != (batch, count) or positions.dtype.is_floating_point:
-        raise ValueError(f"positions must be integers of shape {(batch, count)}, got {positions.dtype} "
-                         f"{tuple(positions.shape)}")
+    if positions.shape != (query.shape[0],) or row_starts.shape != (batch + 1,) or any(
+        t.dtype != torch.int64 or not t.is_contiguous() for t in (positions, row_starts)
+    ):
+        raise ValueError(f"positions ({query.shape[0]},) and row_starts ({batch + 1},) must be contiguous int64, got "
+                         f"{positions.dtype} {tuple(positions.shape)} and {row_starts.dtype} {tuple(row_starts.shape)}")
     _check_float32_cpu(query, key, value)
-    if count and (int(positions.min()) < 0 or int(positions.max()) >= key.shape[2]
-                  or bool((positions[:, 1:] < positions[:, :-1]).any())):
-        raise ValueError(f"positions must ascend within each row and lie in [0, {key.shape[2]})")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     kernel = _attention_kernel()
     if kernel is None:
         return None
-    positions = positions.to(torch.int64).contiguous()
-    return _CompiledAttention.apply(query, key, value, None, positions, scaling, float(dropout), kernel)
+    return _CompiledAttention.apply(query, key, value, None, positions, scaling, float(dropout), kernel, row_starts)
 
 
 def decoding_attention_with_key_bias(
@@ -874,7 +915,12 @@ class _AttentionShape(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_int64) for name in ("batch", "heads", "query_length", "key_length", "head_dim")),
         ("scale", ctypes.c_float), ("dropout", ctypes.c_float), ("seed", ctypes.c_uint64), ("positions", ctypes.c_void_p),
+        ("row_starts", ctypes.c_void_p),
     ]
+
+
+def _data_pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 class _Pointers:
@@ -889,21 +935,37 @@ class _Pointers:
         ]
 
 
-def _attention_forward(kernel, query, key, value, bias, positions, scaling, dropout, seed, with_log_sum_exp):
-    """Runs ``ega_attention_forward`` on (B, H, ·, D) views; returns the output (B, M, H, D) and the log-sum-exp."""
+def _attention_forward(kernel, query, key, value, bias, positions, scaling, dropout, seed, with_log_sum_exp,
+                       row_starts=None):
+    """Runs ``ega_attention_forward`` on (B, H, ·, D) views; returns the output (B, M, H, D) and the log-sum-exp.
+    With ``row_starts``, query is (N, H, D) (every row's queries in turn) and the output (N, H, D)."""
     library, sgemm = kernel
-    batch, heads, count, head_dim = query.shape
+    batch, heads, head_dim = key.shape[0], key.shape[1], key.shape[3]
+    count = query.shape[0] if row_starts is not None else query.shape[2]
     shape = _AttentionShape(batch, heads, count, key.shape[2], head_dim, scaling, dropout, seed,
-                            None if positions is None else positions.data_ptr())
-    out = query.new_empty(batch, count, heads, head_dim)
+                            _data_pointer(positions), _data_pointer(row_starts))
     log_sum_exp = query.new_empty(batch, heads, count) if with_log_sum_exp else None
-    pointers = _Pointers(query, key, value, bias, out.transpose(1, 2))
-    if library.ega_attention_forward(
+    if row_starts is None:
+        out = query.new_empty(batch, count, heads, head_dim)
+        pointers = _Pointers(query, key, value, bias, out.transpose(1, 2))
+    else:
+        out = query.new_empty(count, heads, head_dim)
+        pointers = _Pointers(_rows_as_batch(query, batch), key, value, bias, _rows_as_batch(out, batch))
+    status = library.ega_attention_forward(
         sgemm, ctypes.byref(shape), *pointers.arguments, None if log_sum_exp is None else log_sum_exp.data_ptr(),
         torch.get_num_threads(),
-    ) != 0:
+    )
+    if status == -2:
+        raise ValueError(f"positions must ascend within each row and lie in [0, {key.shape[2]}), and row_starts "
+                         f"must run from 0 to {count}")
+    if status != 0:
         raise MemoryError("out of memory in the compiled attention")
     return out, log_sum_exp
+
+
+def _rows_as_batch(rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """(N, H, D) rows seen as (batch, H, N, D) with batch stride 0: the C functions' view of ragged rows."""
+    return rows.transpose(0, 1)[None].expand(batch, -1, -1, -1)
 
 
 def _qkv_views(query_or_qkv, key, value):
@@ -920,25 +982,25 @@ class _CompiledAttention(torch.autograd.Function):
     dropout mask from its seed, so nothing of size T² is kept."""
 
     @staticmethod
-    def forward(ctx, query_or_qkv, key, value, bias, positions, scaling, dropout, kernel):
+    def forward(ctx, query_or_qkv, key, value, bias, positions, scaling, dropout, kernel, row_starts=None):
         needs_grad = any(ctx.needs_input_grad[:4])
         # the mask's seed from torch's generator, so that torch.manual_seed makes dropout reproducible
         seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
         query, key_view, value_view = _qkv_views(query_or_qkv, key, value)
         out, log_sum_exp = _attention_forward(
-            kernel, query, key_view, value_view, bias, positions, scaling, dropout, seed, needs_grad
+            kernel, query, key_view, value_view, bias, positions, scaling, dropout, seed, needs_grad, row_starts
         )
         if needs_grad:
-            ctx.save_for_backward(query_or_qkv, key, value, bias, positions, out, log_sum_exp)
+            ctx.save_for_backward(query_or_qkv, key, value, bias, positions, out, log_sum_exp, row_starts)
             ctx.scaling, ctx.dropout, ctx.seed, ctx.kernel = scaling, dropout, seed, kernel
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query_or_qkv, key, value, bias, positions, out, log_sum_exp = ctx.saved_tensors
+        query_or_qkv, key, value, bias, positions, out, log_sum_exp, row_starts = ctx.saved_tensors
         library, sgemm = ctx.kernel
         query, key_view, value_view = _qkv_views(query_or_qkv, key, value)
-        batch, heads, count, head_dim = query.shape
+        batch, heads, key_length, head_dim = key_view.shape
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
         if key is None:
@@ -947,19 +1009,24 @@ class _CompiledAttention(torch.autograd.Function):
         else:
             grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
             grad_first = grads[0]
-        grad_bias = None if bias is None else bias.new_empty(batch, heads, key_view.shape[2])
-        shape = _AttentionShape(batch, heads, count, key_view.shape[2], head_dim, ctx.scaling, ctx.dropout, ctx.seed,
-                                None if positions is None else positions.data_ptr())
-        tensors = _Pointers(query, key_view, value_view, bias, out.transpose(1, 2), grad_out.transpose(1, 2))
-        grad_pointers = _Pointers(*grads)
+        grad_bias = None if bias is None else bias.new_empty(batch, heads, key_length)
+        if row_starts is None:
+            count, seen = query.shape[2], (query, out.transpose(1, 2), grad_out.transpose(1, 2), grads[0])
+        else:
+            count, seen = query.shape[0], (_rows_as_batch(t, batch) for t in (query, out, grad_out, grads[0]))
+        query_seen, out_seen, grad_out_seen, grad_query_seen = seen
+        shape = _AttentionShape(batch, heads, count, key_length, head_dim, ctx.scaling, ctx.dropout, ctx.seed,
+                                _data_pointer(positions), _data_pointer(row_starts))
+        tensors = _Pointers(query_seen, key_view, value_view, bias, out_seen, grad_out_seen)
+        grad_pointers = _Pointers(grad_query_seen, *grads[1:])
         if library.ega_attention_backward(
             sgemm, ctypes.byref(shape), *tensors.arguments, log_sum_exp.data_ptr(), *grad_pointers.arguments,
             None if grad_bias is None else grad_bias.data_ptr(), torch.get_num_threads(),
         ) != 0:
             raise MemoryError("out of memory in the compiled attention")
         if key is None:
-            return grad_first, None, None, grad_bias, None, None, None, None
-        return grads[0], grads[1], grads[2], grad_bias, None, None, None, None
+            return grad_first, None, None, grad_bias, None, None, None, None, None
+        return grads[0], grads[1], grads[2], grad_bias, None, None, None, None, None
 
 
 class CompiledCausalGate:

@@ -7,7 +7,7 @@ from hf_spectral.models.ega_gpt import compiled_kernels
 from hf_spectral.models.ega_gpt import modeling_ega_gpt
 from hf_spectral.models.ega_gpt.compiled_kernels import (
     CompiledCausalGate,
-    causal_attention_at_positions,
+    causal_attention_at_row_positions,
     causal_attention_with_key_bias,
     compiled_library,
     decoding_attention_with_key_bias,
@@ -498,26 +498,30 @@ def test_a_cache_built_with_autograd_through_the_compiled_attention_continues_li
     torch.testing.assert_close(step, model(ids).logits[:, -1], atol=1e-5, rtol=0)
 
 
-def random_positions(batch, count, keys, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(keys, generator=generator)[:count].sort().values for _ in range(batch)])
-
-
 @needs_compiler
-@pytest.mark.parametrize("count, keys", [(1, 5), (40, 300), (130, 200), (200, 200)])
-def test_compiled_attention_at_positions_and_its_gradients_equal_the_long_way(count, keys):
-    """Gathered queries (CHIAR's routed tokens) at ascending key slots against all keys, without bias."""
-    batch, heads, head_dim = 2, 3, 16
-    generator = torch.Generator().manual_seed(count)
-    query = torch.randn(batch, count, heads, head_dim, generator=generator).transpose(1, 2).requires_grad_()
-    key, value = (torch.randn(batch, heads, keys, head_dim, generator=generator).requires_grad_() for _ in range(2))
-    positions = random_positions(batch, count, keys, seed=count)
-    upstream = torch.randn(batch, count, heads, head_dim, generator=generator)
-    out = causal_attention_at_positions(query, key, value, positions, 0.25)
+@pytest.mark.parametrize("counts, keys", [((1, 1), 5), ((40, 0, 75), 300), ((130, 64), 200), ((200, 200), 200)])
+def test_compiled_attention_at_row_positions_and_its_gradients_equal_the_long_way(counts, keys):
+    """Gathered queries (CHIAR's routed tokens) at ascending key slots against all keys of their row, rows with
+    different query counts (one with none) in one call."""
+    heads, head_dim = 3, 16
+    generator = torch.Generator().manual_seed(sum(counts))
+    positions = [torch.randperm(keys, generator=generator)[:count].sort().values for count in counts]
+    row_starts = torch.tensor([0, *counts]).cumsum(0)
+    query = torch.randn(sum(counts), heads, head_dim, generator=generator).requires_grad_()
+    key, value = (
+        torch.randn(len(counts), keys, heads, head_dim, generator=generator).transpose(1, 2).requires_grad_()
+        for _ in range(2)
+    )
+    upstream = torch.randn(sum(counts), heads, head_dim, generator=generator)
+    out = causal_attention_at_row_positions(query, key, value, torch.cat(positions), row_starts, 0.25)
     grads = torch.autograd.grad((out * upstream).sum(), (query, key, value))
-    scores = query @ key.transpose(-1, -2) * 0.25
-    hidden = torch.arange(keys)[None, None, None, :] > positions[:, None, :, None]
-    expected = (scores.masked_fill(hidden, float("-inf")).softmax(-1) @ value).transpose(1, 2)
+    expected = []
+    for row, row_positions in enumerate(positions):
+        row_query = query[row_starts[row] : row_starts[row + 1]].transpose(0, 1)  # (H, M, D)
+        scores = row_query @ key[row].transpose(-1, -2) * 0.25
+        hidden = torch.arange(keys)[None, None, :] > row_positions[None, :, None]
+        expected.append((scores.masked_fill(hidden, float("-inf")).softmax(-1) @ value[row]).transpose(0, 1))
+    expected = torch.cat(expected)
     expected_grads = torch.autograd.grad((expected * upstream).sum(), (query, key, value))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     for got, want in zip(grads, expected_grads):
@@ -525,19 +529,60 @@ def test_compiled_attention_at_positions_and_its_gradients_equal_the_long_way(co
 
 
 @needs_compiler
-def test_compiled_attention_at_positions_rejects_what_it_cannot_take():
-    query, key = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 10, 8)
-    positions = torch.tensor([[1, 3, 5, 9]])
+def test_compiled_attention_at_row_positions_dropout_and_its_backward_use_one_mask():
+    """Values = the identity over key slots, so that each output row is its query's dropped probability row: kept
+    entries are the probabilities / (1 - p), none lies after the query's slot, and the value gradient is
+    out^T · upstream, which holds only if the backward redraws the forward's mask."""
+    counts, keys, heads, dropout = (30, 0, 50), 64, 2, 0.3
+    generator = torch.Generator().manual_seed(5)
+    positions = [torch.randperm(keys, generator=generator)[:count].sort().values for count in counts]
+    row_starts = torch.tensor([0, *counts]).cumsum(0)
+    query = torch.randn(sum(counts), heads, keys, generator=generator)
+    key = torch.randn(len(counts), heads, keys, keys, generator=generator)
+    value = torch.eye(keys).expand(len(counts), heads, keys, keys).clone().requires_grad_()
+    torch.manual_seed(3)
+    dropped = causal_attention_at_row_positions(query, key, value, torch.cat(positions), row_starts, 0.1, dropout)
+    torch.manual_seed(3)
+    again = causal_attention_at_row_positions(query, key, value, torch.cat(positions), row_starts, 0.1, dropout)
+    assert torch.equal(dropped, again)
+    upstream = torch.randn(sum(counts), heads, keys, generator=generator)
+    (grad_value,) = torch.autograd.grad((dropped * upstream).sum(), value)
+    kept_fraction = []
+    for row, row_positions in enumerate(positions):
+        rows = slice(row_starts[row], row_starts[row + 1])
+        probabilities = ((query[rows].transpose(0, 1) @ key[row].transpose(-1, -2)) * 0.1).masked_fill(
+            torch.arange(keys)[None, None, :] > row_positions[None, :, None], float("-inf")
+        ).softmax(-1)  # (H, M, S)
+        got = dropped[rows].detach().transpose(0, 1)
+        kept = got != 0
+        assert not (kept & (probabilities == 0)).any()
+        torch.testing.assert_close(got[kept], probabilities[kept] / (1 - dropout), atol=1e-6, rtol=1e-5)
+        kept_fraction.append(kept[probabilities > 0].float())
+        expected_grad = got.transpose(-1, -2) @ upstream[rows].transpose(0, 1)  # (H, S, D)
+        torch.testing.assert_close(grad_value[row], expected_grad, atol=1e-5, rtol=1e-5)
+    assert abs(torch.cat(kept_fraction).mean().item() - (1 - dropout)) < 0.03  # about 3 300 draws
+
+
+@needs_compiler
+def test_compiled_attention_at_row_positions_rejects_what_it_cannot_take():
+    query, key = torch.randn(4, 2, 8), torch.randn(1, 2, 10, 8)
+    positions, row_starts = torch.tensor([1, 3, 5, 9]), torch.tensor([0, 4])
     with pytest.raises(ValueError, match="ascend"):
-        causal_attention_at_positions(query, key, key, positions.flip(1), 0.3)
+        causal_attention_at_row_positions(query, key, key, positions.flip(0), row_starts, 0.3)
     with pytest.raises(ValueError, match="ascend"):
-        causal_attention_at_positions(query, key, key, positions + 1, 0.3)  # slot 10 of 10 keys
-    with pytest.raises(ValueError, match="positions must be integers"):
-        causal_attention_at_positions(query, key, key, positions.float(), 0.3)
+        causal_attention_at_row_positions(query, key, key, positions + 1, row_starts, 0.3)  # slot 10 of 10 keys
+    with pytest.raises(ValueError, match="row_starts must run from 0 to 4"):
+        causal_attention_at_row_positions(query, key, key, positions, torch.tensor([0, 3]), 0.3)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        causal_attention_at_row_positions(query, key, key, positions.float(), row_starts, 0.3)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        causal_attention_at_row_positions(query, key, key, positions, torch.tensor([0, 2, 4]), 0.3)
     with pytest.raises(ValueError, match="do not fit"):
-        causal_attention_at_positions(query, key[..., :4], key[..., :4], positions, 0.3)
+        causal_attention_at_row_positions(query, key[..., :4], key[..., :4], positions, row_starts, 0.3)
     with pytest.raises(ValueError, match="adjacent channels"):
-        causal_attention_at_positions(query.transpose(-1, -2).contiguous().transpose(-1, -2), key, key, positions, 0.3)
+        causal_attention_at_row_positions(
+            query.transpose(-1, -2).contiguous().transpose(-1, -2), key, key, positions, row_starts, 0.3
+        )
 
 
 @needs_compiler
