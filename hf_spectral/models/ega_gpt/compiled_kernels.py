@@ -343,7 +343,10 @@ typedef struct {
 static int64_t query_slot(const int64_t *positions, int64_t r) { return positions ? positions[r] : r; }
 
 /* Batch row b's first query and query count. */
-static int64_t first_query(const AttentionShape *shape, int64_t b) { return shape->row_starts ? shape->row_starts[b] : 0; }
+static int64_t first_query(const AttentionShape *shape, int64_t b)
+{
+    return shape->row_starts ? shape->row_starts[b] : 0;
+}
 static int64_t query_count(const AttentionShape *shape, int64_t b)
 {
     return shape->row_starts ? shape->row_starts[b + 1] - shape->row_starts[b] : shape->query_length;

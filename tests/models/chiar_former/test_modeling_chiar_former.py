@@ -457,7 +457,8 @@ def test_routed_attention_without_padding_runs_compiled_and_equals_dense_and_the
         return out.logits.detach(), grads
 
     logits, grads = run(sparse)
-    assert len(compiled_routed_calls) >= 2 and max(compiled_routed_calls) > 64  # both layers (each row in one call), ≥ 2 blocks
+    # both layers (each with every row in one call), ≥ 2 blocks of 64 queries in a row
+    assert len(compiled_routed_calls) >= 2 and max(compiled_routed_calls) > 64
     dense_logits, dense_grads = run(_dense_twin(sparse))
     monkeypatch.setattr(modeling_chiar_former, "_compiled_routed_attention", lambda: None)
     torch_logits, torch_grads = run(sparse)
