@@ -268,11 +268,10 @@ class ChiarAttention(nn.Module):
         """Dense: (B, T, d) -> (B, T, d) with the model's ``attention_mask``. Sparse: -> (N, d), the outputs of the
         N tokens selected by ``queries`` in ``queries.nonzero()`` order; masks are built here from ``key_valid``
         (B, past + T) and the query slots."""
-        # (batch, heads, positions, head_dim) made contiguous: SDPA's CPU kernels run ≈ 10% faster on it than on
-        # the transposed projection. The compiled kernel for routed queries reads any strides: no copies.
-        # RoPE rotates the projections' fresh outputs in place (apply_rotary's in_place): no second tensor of their
-        # size.
-        # (Slices, not chunk(): autograd forbids in-place writes to views from a function returning several.)
+        # RoPE rotates the projections' fresh outputs in place (apply_rotary's in_place), so no second tensor of their
+        # size is written; keys and values are slices, not chunk()s, because autograd forbids in-place writes to views
+        # from a function returning several. (batch, heads, positions, head_dim) is then made contiguous for SDPA,
+        # whose CPU kernels run ≈ 10% faster on it; the compiled kernel for routed queries reads any strides.
         key_value = self.kv_proj(hidden_states)
         key, value = key_value[..., : self.config.hidden_size], key_value[..., self.config.hidden_size :]
         key = apply_rotary(self._heads(key), rotary, in_place=True).transpose(1, 2)
