@@ -499,10 +499,11 @@ def test_a_cache_built_with_autograd_through_the_compiled_attention_continues_li
 
 
 @needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("counts, keys", [((1, 1), 5), ((40, 0, 75), 300), ((130, 64), 200), ((200, 200), 200)])
-def test_compiled_attention_at_row_positions_and_its_gradients_equal_the_long_way(counts, keys):
+def test_compiled_attention_at_row_positions_and_its_gradients_equal_the_long_way(counts, keys, threads):
     """Gathered queries (CHIAR's routed tokens) at ascending key slots against all keys of their row, rows with
-    different query counts (one with none) in one call."""
+    different query counts (one with none) in one call; with 2 threads the (row, head) pairs run in parallel."""
     heads, head_dim = 3, 16
     generator = torch.Generator().manual_seed(sum(counts))
     positions = [torch.randperm(keys, generator=generator)[:count].sort().values for count in counts]
@@ -513,8 +514,13 @@ def test_compiled_attention_at_row_positions_and_its_gradients_equal_the_long_wa
         for _ in range(2)
     )
     upstream = torch.randn(sum(counts), heads, head_dim, generator=generator)
-    out = causal_attention_at_row_positions(query, key, value, torch.cat(positions), row_starts, 0.25)
-    grads = torch.autograd.grad((out * upstream).sum(), (query, key, value))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = causal_attention_at_row_positions(query, key, value, torch.cat(positions), row_starts, 0.25)
+        grads = torch.autograd.grad((out * upstream).sum(), (query, key, value))
+    finally:
+        torch.set_num_threads(previous)
     expected = []
     for row, row_positions in enumerate(positions):
         row_query = query[row_starts[row] : row_starts[row + 1]].transpose(0, 1)  # (H, M, D)
