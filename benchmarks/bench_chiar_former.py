@@ -160,14 +160,16 @@ def attention_kernel_times(routed_attention, dense_attention, states, phases, qu
         selected = queries.reshape(-1).nonzero().squeeze(1)
         all_queries = query.transpose(1, 2).flatten(0, 1)
         routed_query = all_queries.index_select(0, selected)
-        everyone = torch.ones_like(queries)
-        every_token = everyone.reshape(-1).nonzero().squeeze(1)
+        everyone, every_token = torch.ones_like(queries), torch.arange(queries.numel())
+        compiled = routed_attention._compiled_sparse_attention(key, None)
         return interleaved_times(
             {
                 "dense": lambda: dense_attention._attend(query, key, value, None),
-                "routed": lambda: routed_attention._attend_sparse(routed_query, key, value, queries, selected, 0, None),
+                "routed": lambda: routed_attention._attend_sparse(
+                    routed_query, key, value, queries, selected, 0, None, compiled
+                ),
                 "dense_compiled": lambda: routed_attention._attend_sparse(
-                    all_queries, key, value, everyone, every_token, 0, None
+                    all_queries, key, value, everyone, every_token, 0, None, compiled
                 ),
             },
             repeats,

@@ -276,7 +276,8 @@ class ChiarAttention(nn.Module):
         key, value = key_value[..., : self.config.hidden_size], key_value[..., self.config.hidden_size :]
         key = apply_rotary(self._heads(key), rotary, in_place=True).transpose(1, 2)
         value = self._heads(value).transpose(1, 2)
-        if queries is None or self._compiled_sparse_attention(key, key_valid) is None:
+        compiled = None if queries is None else self._compiled_sparse_attention(key, key_valid)
+        if compiled is None:
             key, value = key.contiguous(), value.contiguous()
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
@@ -294,7 +295,9 @@ class ChiarAttention(nn.Module):
         query = self.q_proj(hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, selected))
         query_phases = rotary.reshape(-1, rotary.shape[-1]).index_select(0, selected)
         query = apply_rotary(self._heads(query)[None], query_phases[None], in_place=True)[0]
-        attn_output = self._attend_sparse(query, key, value, queries, selected, past_length, key_valid, **kwargs)
+        attn_output = self._attend_sparse(
+            query, key, value, queries, selected, past_length, key_valid, compiled, **kwargs
+        )
         return self.dropout(self.o_proj(attn_output.reshape(attn_output.shape[0], -1))), None
 
     def _attend(self, query, key, value, attention_mask, **kwargs):
@@ -304,15 +307,14 @@ class ChiarAttention(nn.Module):
         dropout = self.config.attention_dropout if self.training else 0.0
         return attention_interface(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs)
 
-    def _attend_sparse(self, query, key, value, queries, selected, past_length, key_valid, **kwargs):
+    def _attend_sparse(self, query, key, value, queries, selected, past_length, key_valid, compiled, **kwargs):
         """Routed queries (N, heads, head_dim), the tokens ``selected`` (N,) of the flattened (B, T) ``queries`` mask,
         ordered by row, then position, at key slots past_length + t -> (N, heads, head_dim). Each row attends on its
         own, so no row pads its queries to another's count. Causal queries skip most future keys as a dense causal
-        kernel skips them: through the compiled kernel where it applies (``_compiled_sparse_attention``, every row
-        in one call), else in masked chunks, each against the key prefix its last query can see."""
+        kernel skips them: through ``compiled`` where it applies (``_compiled_sparse_attention``'s answer for these
+        keys; every row in one call), else in masked chunks, each against the key prefix its last query can see."""
         length = queries.shape[1]
         slots = selected % length + past_length
-        compiled = self._compiled_sparse_attention(key, key_valid)
         dropout = self.config.attention_dropout if self.training else 0.0
         if compiled is not None:
             row_starts = selected.new_zeros(key.shape[0] + 1)

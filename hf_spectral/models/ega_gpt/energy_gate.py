@@ -355,7 +355,8 @@ def cached_length(layer) -> int:
     """The number of keys a KV cache layer holds. Energy-gated layers keep per-key gate state in the cache, so the
     layer must keep every key as written, at its position: a ``DynamicLayer``, ``GrowingLayer`` or ``StaticLayer``
     (``DynamicCache``, ``GrowingCache``, ``StaticCache``, their offloaded forms), or a sliding-window layer until its
-    window starts dropping keys (the statistics count every earlier token). Quantised layers alter the keys and raise, as does a full window."""
+    window starts dropping keys (the statistics count every earlier token). Quantised layers alter the keys and
+    raise, as does a full window."""
     if type(layer) in (DynamicLayer, GrowingLayer, StaticLayer):
         return int(layer.get_seq_length())
     if type(layer) is DynamicSlidingWindowLayer:
