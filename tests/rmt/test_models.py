@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from hf_spectral import EGAConfig, EGAForSequenceClassification
-from hf_spectral.models.ega_gpt.sequence_pooling import SequencePooling
+from hf_spectral.ops.pooling import SequencePooling
 from hf_spectral.rmt import (
     PrefixCorrelation,
     attention_pooling_report,

@@ -41,7 +41,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_chiar_former import ChiarConfig
-from .sequence_pooling import SequencePooling
+from ...ops.pooling import SequencePooling
 from .spectral_ops import (
     apply_rotary,
     authors_rbf_mixing,

@@ -70,7 +70,7 @@ from .energy_gate import (
     replace_folded_bias,
 )
 from .growing_cache import GrowingCache, GrowingLayer, append_in_place
-from .sequence_pooling import SequencePooling
+from ...ops.pooling import SequencePooling
 
 
 @dataclass

@@ -1,1 +1,0 @@
-../ega_gpt/sequence_pooling.py
