@@ -1,8 +1,14 @@
 """Registration of every hf_spectral model with the ``transformers`` Auto classes.
 
-``register_auto_classes`` runs on ``import hf_spectral``. It also calls ``register_for_auto_class`` so
-that ``save_pretrained`` writes an ``auto_map`` and copies the model folder's code next to the weights:
-the checkpoint then loads with ``trust_remote_code=True`` where hf_spectral is not installed.
+``register_auto_classes`` runs on ``import hf_spectral``, so that ``AutoConfig`` / ``AutoModel*`` /
+``AutoTokenizer.from_pretrained`` find the hf_spectral classes wherever the plugin is imported.
+
+The model and config classes are deliberately *not* given ``register_for_auto_class``: transformers'
+``custom_object_save`` would then copy only the files a modeling file imports with single-dot imports and fail on
+``from ...ops.x import``. Their ``save_pretrained`` writes the remote code itself
+(`hf_spectral.ops.remote_code.save_model_code`): the flattened model files, the ops files they need and a complete
+``auto_map``, so that a saved folder loads with ``trust_remote_code=True`` where hf_spectral is not installed. The
+char tokenizer imports nothing relatively, so transformers' own mechanism saves its code.
 """
 
 import transformers
@@ -38,10 +44,8 @@ def register_auto_classes() -> None:
 
     for config_class, models in _auto_table():
         transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
-        config_class.register_for_auto_class()
         for auto_name, model_class in models.items():
             getattr(transformers, auto_name).register(config_class, model_class, exist_ok=True)
-            model_class.register_for_auto_class(auto_name)
         transformers.AutoTokenizer.register(config_class, slow_tokenizer_class=CharTokenizer, exist_ok=True)
     CharTokenizer.register_for_auto_class("AutoTokenizer")
 

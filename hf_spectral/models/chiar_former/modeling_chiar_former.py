@@ -42,6 +42,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_chiar_former import ChiarConfig
 from ...ops.pooling import SequencePooling
+from ...ops.remote_code import save_model_code
 from .spectral_ops import (
     apply_rotary,
     authors_rbf_mixing,
@@ -513,6 +514,13 @@ class ChiarPreTrainedModel(PreTrainedModel):
         "hidden_states": ChiarLayer,
         "attentions": OutputRecorder(ChiarAttention, index=1),
     }
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        # transformers' `register_for_auto_class` copies only single-dot imports: write the remote code ourselves
+        # (flattened model files, the ops they need, a complete auto_map) so the folder loads without hf_spectral.
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            save_model_code(self, save_directory)
 
     def _init_weights(self, module):
         super()._init_weights(module)  # Linear / Embedding: N(0, initializer_range), biases 0; LayerNorm: 1, 0

@@ -71,6 +71,7 @@ from .energy_gate import (
 )
 from .growing_cache import GrowingCache, GrowingLayer, append_in_place
 from ...ops.pooling import SequencePooling
+from ...ops.remote_code import save_model_code
 
 
 @dataclass
@@ -572,6 +573,13 @@ class EGAPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(EGAAttention, index=1),
         "gate_values": OutputRecorder(EnergyGate, index=1),
     }
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        # transformers' `register_for_auto_class` copies only single-dot imports: write the remote code ourselves
+        # (flattened model files, the ops they need, a complete auto_map) so the folder loads without hf_spectral.
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            save_model_code(self, save_directory)
 
     def _init_weights(self, module):
         super()._init_weights(module)  # Linear / Conv1d / Embedding: N(0, initializer_range); LayerNorm: 1, 0

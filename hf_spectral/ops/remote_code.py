@@ -1,0 +1,293 @@
+"""The code a saved checkpoint carries, so that it loads with ``trust_remote_code=True`` where hf_spectral is not
+installed.
+
+`save_model_code` copies the file that defines the saved object's class and the configuration file next to the
+weights, with every relative import that leaves the file's folder (``from ...ops.energy_gate import X``) rewritten
+to a sibling import (``from .energy_gate import X``), copies the files those imports name as siblings (recursively:
+ops files import each other with single-dot imports), and writes a complete ``auto_map``: ``AutoConfig`` and every
+Auto model class the modeling file defines a class for into ``config.json``, ``AutoTokenizer`` into
+``tokenizer_config.json`` for a tokenizer.
+
+It runs as well on code that was itself loaded with ``trust_remote_code``: that code already imports its siblings with
+single dots, so saving a remotely loaded model copies the files unchanged. Hence this file imports only the standard
+library and transformers, and travels with the checkpoint like the others.
+
+transformers' own ``custom_object_save`` (used for classes given ``register_for_auto_class``) copies only files
+imported with single-dot imports and takes ``from ...ops.x`` for a file named ``..ops.x.py``: the package does not
+register its classes that way, their ``save_pretrained`` calls `save_model_code` instead.
+"""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+AUTO_MODEL_CLASSES = ("AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
+
+# Which Auto class a modeling class belongs to, by the suffix of its name (transformers' naming convention).
+_HEAD_SUFFIXES = {
+    "AutoModelForCausalLM": ("ForCausalLM", "LMHeadModel"),
+    "AutoModelForSequenceClassification": ("ForSequenceClassification",),
+}
+
+# `from <dots><module> import` at the start of a line (also indented, inside functions or conditionals).
+_RELATIVE_IMPORT = re.compile(r"^(?P<head>[ \t]*from[ \t]+)(?P<dots>\.+)(?P<module>[\w.]*)(?P<tail>[ \t]+import\b)", re.M)
+_DOTTED_IMPORT = re.compile(r"^[ \t]*import[ \t]+\.", re.M)
+
+CONFIG_FILE = "config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+class RemoteCodeError(ValueError):
+    """The code of an object cannot be written as remote code (an import that cannot be flattened, a missing file)."""
+
+
+def save_model_code(model_or_config, save_directory) -> list[str]:
+    """Write the code that loads ``model_or_config`` into ``save_directory`` and record it in the ``auto_map``.
+
+    Call it after ``save_pretrained`` wrote ``config.json`` (``tokenizer_config.json`` for a tokenizer) into
+    ``save_directory``. Accepts a model (``PreTrainedModel``, also wrapped by ``torch.compile``), a config
+    (``PreTrainedConfig``) or a tokenizer.
+
+    * model or config: copies the configuration and modeling files (the modeling file of a config is the
+      ``modeling_*.py`` file beside its ``configuration_*.py``, when there is one), the files they import, and sets
+      ``auto_map`` in ``config.json`` to ``AutoConfig`` plus ``AutoModel``, ``AutoModelForCausalLM`` and
+      ``AutoModelForSequenceClassification`` for each such class the modeling file defines for this config class;
+    * tokenizer: copies the tokenizer's file (and what it imports) and sets ``auto_map["AutoTokenizer"]`` in
+      ``tokenizer_config.json`` as transformers writes it (``[slow class, fast class]``).
+
+    Existing ``auto_map`` entries for other Auto classes are kept. Every file is written under a temporary name and
+    renamed into place (code files first, the JSON file last), so an interrupted save leaves no truncated file and
+    never an ``auto_map`` naming a file that is not there. Returns the paths written.
+    """
+    save_directory = Path(save_directory)
+    if not save_directory.is_dir():
+        raise FileNotFoundError(f"save_directory {str(save_directory)!r} is not a directory: call save_pretrained first")
+    target = getattr(model_or_config, "_orig_mod", model_or_config)  # torch.compile wrapper -> the model
+
+    if _is_tokenizer(target):
+        classes = [type(target)]
+        json_file = save_directory / TOKENIZER_CONFIG_FILE
+        entries = {"AutoTokenizer": _tokenizer_auto_entry(type(target))}
+        slow = getattr(target, "slow_tokenizer_class", None)
+        if isinstance(slow, type):
+            classes.append(slow)
+    else:
+        config = getattr(target, "config", None) if not _is_config(target) else target
+        if not _is_config(config):
+            raise TypeError(
+                f"save_model_code expects a model, a config or a tokenizer, got {type(model_or_config).__name__}"
+            )
+        model_classes = _model_classes(config, None if target is config else type(target))
+        classes = [type(config), *model_classes.values()]
+        json_file = save_directory / CONFIG_FILE
+        entries = {"AutoConfig": f"{_module_stem(type(config))}.{type(config).__name__}"}
+        entries.update({name: f"{_module_stem(cls)}.{cls.__name__}" for name, cls in model_classes.items()})
+
+    if not json_file.is_file():
+        raise FileNotFoundError(f"{json_file} does not exist: call save_pretrained before save_model_code")
+    files = _code_files(classes)  # {destination name: rewritten source text}, everything checked before writing
+
+    written = []
+    for name, text in files.items():
+        destination = save_directory / name
+        if destination.is_file() and destination.read_text(encoding="utf-8") == text:
+            written.append(str(destination))  # e.g. already copied by transformers for remotely loaded code
+            continue
+        _write_atomically(destination, text)
+        written.append(str(destination))
+
+    with open(json_file, encoding="utf-8") as handle:
+        values = json.load(handle)
+    auto_map = values.get("auto_map")
+    auto_map = dict(auto_map) if isinstance(auto_map, dict) else {}
+    auto_map.update(entries)
+    values["auto_map"] = auto_map
+    _write_atomically(json_file, json.dumps(values, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    written.append(str(json_file))
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which classes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _is_config(obj) -> bool:
+    from transformers import PreTrainedConfig
+
+    return isinstance(obj, PreTrainedConfig)
+
+
+def _is_tokenizer(obj) -> bool:
+    from transformers import PreTrainedTokenizerBase
+
+    return isinstance(obj, PreTrainedTokenizerBase)
+
+
+def _tokenizer_auto_entry(cls) -> list:
+    # The layout transformers' `custom_object_save` gives a tokenizer: [slow class, fast class].
+    name = f"{_module_stem(cls)}.{cls.__name__}"
+    if not cls.__name__.endswith("Fast"):
+        return [name, None]
+    slow = getattr(cls, "slow_tokenizer_class", None)
+    return [f"{_module_stem(slow)}.{slow.__name__}" if isinstance(slow, type) else None, name]
+
+
+def auto_class_of(cls) -> str | None:
+    """The Auto class a modeling class is loaded through, from its name (``...ForCausalLM`` / ``...LMHeadModel``,
+    ``...ForSequenceClassification``, ``...Model`` for the bare model; ``None`` for a ``...PreTrainedModel`` base)."""
+    name = cls.__name__
+    for auto_name, suffixes in _HEAD_SUFFIXES.items():
+        if name.endswith(suffixes):
+            return auto_name
+    if name.endswith("Model") and not name.endswith("PreTrainedModel"):
+        return "AutoModel"
+    return None
+
+
+def _model_classes(config, model_class) -> dict:
+    """Auto class name -> class, for the model classes of ``config``'s class defined in the modeling module."""
+    from transformers import PreTrainedModel
+
+    if model_class is not None:
+        module = sys.modules[model_class.__module__]
+    else:  # a config alone: the modeling module beside its configuration module, if there is one
+        module = _sibling_modeling_module(type(config))
+        if module is None:
+            return {}
+    found: dict[str, list] = {}
+    for value in vars(module).values():
+        if (
+            isinstance(value, type)
+            and issubclass(value, PreTrainedModel)
+            and value.__module__ == module.__name__
+            and getattr(value, "config_class", None) is type(config)
+        ):
+            auto_name = auto_class_of(value)
+            if auto_name is not None:
+                found.setdefault(auto_name, []).append(value)
+    classes = {}
+    for auto_name in AUTO_MODEL_CLASSES:
+        candidates = found.get(auto_name, [])
+        if model_class is not None and model_class in candidates:
+            candidates = [model_class]
+        if len(candidates) > 1:
+            names = ", ".join(sorted(cls.__name__ for cls in candidates))
+            raise RemoteCodeError(f"{module.__name__} defines several {auto_name} classes for {type(config).__name__}: {names}")
+        if candidates:
+            classes[auto_name] = candidates[0]
+    if model_class is not None and model_class not in classes.values():
+        raise RemoteCodeError(
+            f"{model_class.__name__} is not a class of {module.__name__} for {type(config).__name__} that an Auto "
+            f"class loads (expected one of {', '.join(AUTO_MODEL_CLASSES)} by its name and config_class)"
+        )
+    return classes
+
+
+def _sibling_modeling_module(config_class):
+    module_name = config_class.__module__
+    package, _, stem = module_name.rpartition(".")
+    if not stem.startswith("configuration_"):
+        return None
+    modeling_name = f"{package}.{stem.replace('configuration_', 'modeling_', 1)}" if package else stem
+    config_file = Path(sys.modules[module_name].__file__)
+    if not (config_file.parent / f"{modeling_name.rpartition('.')[2]}.py").is_file():
+        return None
+    import importlib
+
+    return importlib.import_module(modeling_name)
+
+
+def _module_stem(cls) -> str:
+    return Path(_source_file(cls)).stem
+
+
+def _source_file(cls) -> str:
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if cls.__module__ == "__main__" or path is None or not path.endswith(".py"):
+        raise RemoteCodeError(
+            f"{cls.__name__} is defined in {cls.__module__!r}, not in a .py file: its code cannot be saved with a "
+            "checkpoint (define it in a module)"
+        )
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which files, and their flattened text
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _code_files(classes) -> dict:
+    """{file name in the checkpoint: text} for the files defining ``classes`` and everything they import relatively."""
+    sources = {}  # destination name -> source path
+    pending = []
+    for cls in classes:
+        pending.append(Path(_source_file(cls)).resolve())
+    texts = {}
+    while pending:
+        path = pending.pop()
+        name = path.name
+        if name in sources:
+            if sources[name] != path:
+                raise RemoteCodeError(
+                    f"two files needed by the remote code have the same name {name!r}: {sources[name]} and {path}"
+                )
+            continue
+        sources[name] = path
+        text, imported = flatten_imports(path)
+        texts[name] = text
+        pending.extend(imported)
+    return texts
+
+
+def resolve_relative_import(path, dots: int, module: str) -> Path:
+    """The file a ``from <dots><module> import`` line of the file ``path`` names (raises if it is not one file)."""
+    path = Path(path)
+    statement = f"from {'.' * dots}{module} import"
+    if not module:
+        raise RemoteCodeError(f"{path}: '{statement} ...' imports a package; import from its module file instead")
+    base = path.parent
+    for _ in range(dots - 1):
+        base = base.parent
+    target = base.joinpath(*module.split(".")).with_suffix(".py")
+    if not target.is_file():
+        if base.joinpath(*module.split(".")).is_dir():
+            raise RemoteCodeError(f"{path}: '{statement} ...' imports a package; import from its module file instead")
+        raise RemoteCodeError(f"{path}: '{statement} ...' names {target}, which does not exist")
+    return target.resolve()
+
+
+def flatten_imports(path) -> tuple[str, list[Path]]:
+    """The text of ``path`` with each relative import rewritten to a sibling import, and the files imported."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if _DOTTED_IMPORT.search(text):
+        raise RemoteCodeError(f"{path}: 'import .module' is not supported; use 'from .module import name'")
+    imported = []
+
+    def rewrite(match):
+        target = resolve_relative_import(path, len(match["dots"]), match["module"])
+        imported.append(target)
+        return f"{match['head']}.{target.stem}{match['tail']}"
+
+    return _RELATIVE_IMPORT.sub(rewrite, text), imported
+
+
+def _write_atomically(destination: Path, text: str) -> None:
+    # A new file in the same folder (O_EXCL, mode 0o666 filtered by the umask like any ordinary file), renamed over
+    # the destination once complete.
+    temporary = destination.with_name(f".{destination.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, destination)
+    except BaseException:
+        if temporary.exists():
+            temporary.unlink()
+        raise
