@@ -3,14 +3,21 @@
     python -m training.reproduce_ega --dry_run                   # list the runs and their commands
     nohup python -m training.reproduce_ega --jobs 2 --threads 1 > /tmp/ega_repro.log 2>&1 &
     python -m training.reproduce_ega --aggregate_only            # rebuild results/ega/ from finished runs
+    python -m training.reproduce_ega --smoke --benchmarks tinyshakespeare   # a tiny end-to-end check
+    hf-spectral train reproduce_ega --help                       # the same, from an installed package
 
 Runs: BASE, EGA-1 (causal) and EGA-1 (window) with ``--main_seeds`` (default 0 1 2); EGA-2, EGA-4, EGA-C,
 EGA-M-F, EGA-M, EGA-DB2 and EGA-DB4 (causal) with ``--other_seeds`` (default 0; ``--other_seeds`` alone
 skips them). Each run is one recipe
-process (``python -m training.<benchmark> --variants V --seeds S ...``) logging to ``<output_dir>/logs/``;
+process (``python -m training.<benchmark> --variants V --seeds S ...``; ``hf_spectral.recipes.<benchmark>`` when
+installed) logging to ``<output_dir>/logs/``;
 ``--jobs`` of them run at once. Finished runs (``summary.json``) are skipped and interrupted ones resume from
 their checkpoints, so the command can be rerun at any time. The tables, figures and conclusions data are
 written to ``--results_dir`` only once every run of a benchmark is complete.
+
+``--smoke`` checks the whole pipeline in minutes: the recipes' smoke preset, seed 0, BASE and EGA-1 (causal and
+window) only, one process at a time, everything (tables included) under ``runs/ega_reproduction-smoke/``, never
+in ``results/ega/``.
 """
 
 from __future__ import annotations
@@ -67,7 +74,9 @@ def planned_runs(args) -> list:
 
 
 def recipe_command(args, benchmark: str, variant: str, seed: int) -> list:
-    command = [sys.executable, "-m", f"training.{benchmark}", "--preset", args.preset, "--variants", variant,
+    # The recipes are this module's siblings: training.<benchmark> in a checkout, hf_spectral.recipes.<benchmark>
+    # when installed.
+    command = [sys.executable, "-m", f"{__package__}.{benchmark}", "--preset", args.preset, "--variants", variant,
                "--seeds", str(seed), "--output_dir", os.path.join(args.output_dir, benchmark)]
     if args.threads:
         command += ["--threads", str(args.threads)]
@@ -158,7 +167,7 @@ def aggregate(args, benchmark: str) -> bool:
     if missing:
         print(f"{benchmark}: {len(missing)} run(s) not complete ({', '.join(missing)}); no results written")
         return False
-    recipe = importlib.import_module(f"training.{benchmark}")
+    recipe = importlib.import_module(f".{benchmark}", __package__)
     bench = recipe.BENCHMARK
     rows = comparison_rows(summaries, bench.paper, bench.paper_gap)
     for row in rows:  # wall time per run, for sizing future runs
@@ -222,17 +231,21 @@ def aggregate(args, benchmark: str) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.reproduce_ega", description=__doc__,
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}.reproduce_ega", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--benchmarks", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
-    parser.add_argument("--preset", default="cpu", help="recipe preset for every run (default: cpu)")
-    parser.add_argument("--main_seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--other_seeds", type=int, nargs="*", default=[0],
-                        help="seeds of the other variants (none: only BASE and EGA-1, e.g. for a longer schedule)")
-    parser.add_argument("--jobs", type=int, default=2, help="recipe processes at once (default 2)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny end-to-end run: smoke preset, seed 0, BASE and EGA-1 only, one job, written under "
+                             "runs/ega_reproduction-smoke/ (tables in its results/ folder)")
+    parser.add_argument("--preset", help="recipe preset for every run (default: cpu; smoke with --smoke)")
+    parser.add_argument("--main_seeds", type=int, nargs="+", help="seeds of BASE and EGA-1 (default: 0 1 2; 0 with --smoke)")
+    parser.add_argument("--other_seeds", type=int, nargs="*",
+                        help="seeds of the other variants (default: 0; none with --smoke; none: only BASE and EGA-1, "
+                             "e.g. for a longer schedule)")
+    parser.add_argument("--jobs", type=int, help="recipe processes at once (default: 2; 1 with --smoke)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--output_dir", default="runs/ega_reproduction")
-    parser.add_argument("--results_dir", default="results/ega")
+    parser.add_argument("--output_dir", help="default: runs/ega_reproduction (runs/ega_reproduction-smoke with --smoke)")
+    parser.add_argument("--results_dir", help="default: results/ega (<output_dir>/results with --smoke)")
     parser.add_argument("--dry_run", action="store_true", help="print the commands and exit")
     parser.add_argument("--aggregate_only", action="store_true", help="only rebuild the tables from finished runs")
     for option, kind in (("max_steps", int), ("batch_size", int), ("context_length", int), ("eval_steps", int),
@@ -245,6 +258,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.recipe_args and args.recipe_args[0] == "--":
         args.recipe_args = args.recipe_args[1:]
+    if args.smoke and args.preset not in (None, "smoke"):
+        parser.error(f"--smoke runs the smoke preset; drop --preset {args.preset} or --smoke")
+    defaults = ({"preset": "smoke", "main_seeds": [0], "other_seeds": [], "jobs": 1,
+                 "output_dir": "runs/ega_reproduction-smoke"} if args.smoke else
+                {"preset": "cpu", "main_seeds": [0, 1, 2], "other_seeds": [0], "jobs": 2,
+                 "output_dir": "runs/ega_reproduction"})
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.results_dir is None:
+        args.results_dir = os.path.join(args.output_dir, "results") if args.smoke else "results/ega"
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
     from .results import current_command

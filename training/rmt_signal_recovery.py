@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from hf_spectral import rmt  # noqa: E402
 from hf_spectral.rmt import plots  # noqa: E402
-from training.results import write_results  # noqa: E402
+from .results import write_results  # noqa: E402
 
 PRESETS = {
     "full": {
@@ -681,7 +681,7 @@ def main(argv=None):
     out = args.out or ("runs/rmt_smoke" if args.smoke else "results/rmt")
     os.makedirs(out, exist_ok=True)
     seeds = tuple(range(args.seeds)) if args.seeds else preset["seeds"]
-    from training.results import current_command
+    from .results import current_command
 
     start = time.time()
     results = {"mode": mode, "command": current_command()}

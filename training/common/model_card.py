@@ -1,16 +1,18 @@
-"""Hub-ready model cards (``README.md`` next to a saved model) from the templates in ``model_cards/``."""
+"""Hub-ready model cards (``README.md`` next to a saved model) from the templates in ``training/model_cards/``
+(installed as ``hf_spectral/recipes/model_cards/``)."""
 
 from __future__ import annotations
 
 import os
 
-TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "model_cards")
+# Next to the recipes, so the templates travel with them into the wheel (package data of hf_spectral.recipes).
+TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_cards")
 
 
 def template_path(name: str) -> str:
     path = os.path.join(TEMPLATE_DIR, name)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"model card template {path} not found (is the repository's model_cards/ folder there?)")
+        raise FileNotFoundError(f"model card template {path} not found (the recipes' model_cards/ folder is incomplete)")
     return path
 
 

@@ -1,0 +1,1 @@
+"""What the recipes share: data, presets, the Trainer pieces, callbacks, figures, model cards."""
