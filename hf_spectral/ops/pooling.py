@@ -1,12 +1,15 @@
 """Pooling of token states into one vector per sequence, for the sequence-classification heads.
 
-Shared by every hf_spectral model (each model folder links this file, so remote code finds it next to the
-modeling file). Position t below is the t-th *real* token of a sequence, so left and right padding pool alike.
+Shared by every hf_spectral model (a saved checkpoint carries a copy next to its modeling file, so remote code
+finds it). Position t below is the t-th *real* token of a sequence, so left and right padding pool alike.
 """
+
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+# The one list of pooling modes: the models' configs check `classifier_pooling` against it.
 POOLING_MODES = ("last", "mean", "learned", "rmt_optimal")
 
 
@@ -35,6 +38,11 @@ class SequencePooling(nn.Module):
     ``mean``, ``learned`` (softmax of a learned logit per position) and ``rmt_optimal`` (fixed weights w*,
     the top eigenvector of a position-correlation matrix R estimated from data, SPEC 3.2; set them with
     ``set_position_weights``, e.g. through ``hf_spectral.rmt.fit_rmt_pooling``).
+
+    An ``rmt_optimal`` head starts *unfitted* (its weight table is all ones) and refuses to run until weights are
+    installed: acting as mean pooling without a word would hide a forgotten fitting step. Only the scale-free
+    direction of the weights matters (the pooled vector is Σ w_t h_t / Σ |w_t|), so installed weights that happen
+    to be all ones over the whole table are stored rescaled, never mistaken for the unfitted state.
     """
 
     def __init__(self, mode: str, max_positions: int):
@@ -45,8 +53,26 @@ class SequencePooling(nn.Module):
         if mode == "learned":
             self.position_logits = nn.Parameter(torch.zeros(max_positions))
         elif mode == "rmt_optimal":
-            # Uniform until fitted, i.e. mean pooling; saved with the model once fitted.
+            # All ones marks the unfitted head (see the class docstring); saved with the model once fitted.
             self.register_buffer("position_weights", torch.ones(max_positions))
+        self._allow_unfitted = False
+
+    @property
+    def is_fitted(self) -> bool:
+        """False for an ``rmt_optimal`` head whose weights were never installed (always True in other modes)."""
+        if self.mode != "rmt_optimal" or self.max_positions == 1:
+            return True
+        return not bool((self.position_weights == 1).all())
+
+    @contextmanager
+    def unfitted_allowed(self):
+        """Let an unfitted ``rmt_optimal`` head run (as mean pooling) inside the block: for tools that need the
+        model's other outputs before the head is fitted, e.g. ``hf_spectral.rmt.attention_pooling_weights``."""
+        previous, self._allow_unfitted = self._allow_unfitted, True
+        try:
+            yield self
+        finally:
+            self._allow_unfitted = previous
 
     def set_position_weights(self, weights: torch.Tensor) -> None:
         """Install fixed pooling weights (``rmt_optimal``); their sign is fixed so that they sum to > 0."""
@@ -55,9 +81,14 @@ class SequencePooling(nn.Module):
         weights = torch.as_tensor(weights, dtype=self.position_weights.dtype).flatten()
         if weights.numel() > self.max_positions or not torch.isfinite(weights).all():
             raise ValueError(f"expected at most {self.max_positions} finite weights, got {weights.numel()}")
+        if not weights.abs().sum() > 0:
+            raise ValueError("position weights must not all be zero")
         full = torch.zeros_like(self.position_weights)
         full[: weights.numel()] = weights if weights.sum() >= 0 else -weights
-        self.position_weights.copy_(full)
+        if self.max_positions > 1 and bool((full == 1).all()):
+            full = full / self.max_positions**0.5  # same pooling; all ones is reserved for "unfitted"
+        with torch.no_grad():
+            self.position_weights.copy_(full)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if mask is None:
@@ -66,8 +97,14 @@ class SequencePooling(nn.Module):
             return pool_last(hidden, mask)
         if self.mode == "mean":
             return pool_weighted(hidden, mask, mask.to(torch.float32))
+        if not self.is_fitted and not self._allow_unfitted:
+            raise ValueError(
+                "this 'rmt_optimal' pooling head has no fitted weights; fit them with "
+                "hf_spectral.rmt.fit_rmt_pooling(model, train_dataloader) or install them with "
+                "model.pooling.set_position_weights(weights) before running the model"
+            )
         positions = token_positions(mask)
-        if positions.max() >= self.max_positions:
+        if positions.numel() and positions.max() >= self.max_positions:
             raise ValueError(f"sequence has more than {self.max_positions} tokens, the size of the pooling table")
         if self.mode == "learned":
             logits = self.position_logits[positions].masked_fill(mask == 0, float("-inf"))

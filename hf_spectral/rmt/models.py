@@ -31,7 +31,8 @@ target):
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,10 +67,27 @@ def _device(model) -> torch.device:
         return torch.device("cpu")
 
 
+def _as_mapping(batch) -> Mapping:
+    """A batch as a mapping of model inputs. Accepted: any mapping (a dict, the ``BatchEncoding`` of transformers'
+    tokenizers and collators), a tensor of input ids, or a tuple/list as a ``TensorDataset`` yields it:
+    ``(input_ids,)``, ``(input_ids, labels)`` or ``(input_ids, attention_mask, labels)``."""
+    if isinstance(batch, Mapping):
+        return batch
+    if torch.is_tensor(batch):
+        return {"input_ids": batch}
+    if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3 and all(torch.is_tensor(t) for t in batch):
+        names = {1: ("input_ids",), 2: ("input_ids", "labels"), 3: ("input_ids", "attention_mask", "labels")}
+        return dict(zip(names[len(batch)], batch))
+    raise ValueError(
+        "expected batches that are mappings (dict, BatchEncoding: input_ids, attention_mask, labels, ...), tensors of "
+        "input ids, or tuples (input_ids[, attention_mask], labels) of tensors; got "
+        f"{type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
 def _split_batch(batch, device):
     """(model inputs without labels, labels or None), tensors moved to ``device``."""
-    if not isinstance(batch, dict):
-        raise ValueError(f"expected dict batches (input_ids, attention_mask, labels, ...), got {type(batch).__name__}")
+    batch = _as_mapping(batch)
     labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
     inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k not in LABEL_KEYS}
     return inputs, labels
@@ -92,6 +110,17 @@ def _evaluation(model):
             yield
     finally:
         model.train(was_training)
+
+
+@contextmanager
+def _unfitted_heads_allowed(model):
+    """Let unfitted ``rmt_optimal`` heads run while measuring: these tools read states and attentions, not the
+    head's output (and fitting needs the model's states before there are weights)."""
+    with ExitStack() as stack:
+        for module in model.modules():
+            if callable(getattr(module, "unfitted_allowed", None)):
+                stack.enter_context(module.unfitted_allowed())
+        yield
 
 
 @contextmanager
@@ -166,11 +195,12 @@ def attention_pooling_weights(model, dataloader, *, max_batches: int | None = No
     """Effective pooling weights of every attention layer of ``model`` on the batches of ``dataloader``.
 
     Runs ``model(**batch, output_attentions=True)`` with eager attention (switched temporarily if the model uses
-    another kernel), in eval mode, without gradients. Batches are dicts; ``labels`` are ignored.
+    another kernel), in eval mode, without gradients. Batches are mappings (dicts, ``BatchEncoding``), tensors of input
+    ids or ``(input_ids[, attention_mask], labels)`` tuples; ``labels`` are ignored.
     """
     device = _device(model)
     sums, count = None, 0
-    with _evaluation(model), _eager_attention(model):
+    with _evaluation(model), _eager_attention(model), _unfitted_heads_allowed(model):
         for batch in _batches(dataloader, max_batches):
             inputs, _ = _split_batch(batch, device)
             attentions = model(**inputs, output_attentions=True).attentions
@@ -303,7 +333,7 @@ def estimate_position_correlation(model, dataloader, *, states: str | int = "emb
     if min_count < 2:
         raise ValueError(f"min_count must be >= 2 (a variance needs two sequences), got {min_count}")
     device = _device(model)
-    with _evaluation(model), _state_source(model, states) as read:
+    with _evaluation(model), _unfitted_heads_allowed(model), _state_source(model, states) as read:
         # pass 1: per-position sums and the state/label cross-moments
         sum_h = sum_hy = sum_y_t = counts = None
         n_sequences, classes = 0, num_classes
@@ -380,7 +410,7 @@ def _normalise_second_moment(M: np.ndarray) -> np.ndarray:
 class RMTPoolingFit:
     """Result of ``fit_rmt_pooling``: the installed ``weights`` (unit norm, length T̂ ≤ the head's table; later
     positions get 0), the estimate it came from, the top eigenvalues of R̂ and α/κ of the installed weights,
-    of mean pooling over the same positions and of the weights the head held before."""
+    of mean pooling over the same positions and of the weights the head held before (None when it was unfitted)."""
 
     weights: np.ndarray
     estimate: PositionCorrelationEstimate
@@ -413,13 +443,14 @@ def fit_rmt_pooling(model, dataloader, *, states: str | int = "embeddings", max_
                                              min_count=min_count, num_classes=num_classes)
     T = min(estimate.matrix.shape[0], pooling.max_positions)
     R = estimate.matrix[:T, :T]
-    previous = pooling.position_weights.detach().cpu().double().numpy()[:T]
+    fitted_before = getattr(pooling, "is_fitted", True)
+    previous = pooling.position_weights.detach().cpu().double().numpy()[:T] if fitted_before else None
     weights = optimal_pooling_weights(R)
     pooling.set_position_weights(torch.as_tensor(weights, dtype=pooling.position_weights.dtype))
     return RMTPoolingFit(
         weights=weights, estimate=estimate, eigenvalues=np.linalg.eigvalsh(R)[::-1][:5],
         snr_optimal=pooling_snr(weights, R), snr_mean=pooling_snr(mean_pooling_weights(T), R),
-        snr_previous=pooling_snr(previous, R) if np.any(previous) else None,
+        snr_previous=pooling_snr(previous, R) if previous is not None and np.any(previous) else None,
     )
 
 

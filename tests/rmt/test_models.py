@@ -160,3 +160,58 @@ def test_fit_works_on_chiar_former_classifier():
     fit = fit_rmt_pooling(model, early_signal_batches())
     assert np.abs(fit.weights[:L]).min() > np.abs(fit.weights[L:]).max()
     np.testing.assert_allclose(model.pooling.position_weights[:T].numpy(), fit.weights, rtol=1e-6)
+
+
+def collated_batches(n=128, batch_size=32):
+    """The same data as `early_signal_batches`, through transformers' `DataCollatorWithPadding` (BatchEncoding)."""
+    from transformers import DataCollatorWithPadding, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+                                        pad_token="t0")
+    collator = DataCollatorWithPadding(tokenizer)
+    features = [{"input_ids": ids.tolist(), "labels": int(label)}
+                for batch in early_signal_batches(n=n, batch_size=batch_size)
+                for ids, label in zip(batch["input_ids"], batch["labels"])]
+    return [collator(features[i:i + batch_size]) for i in range(0, n, batch_size)]
+
+
+def test_rmt_tools_accept_batch_encodings_tuples_and_tensors():
+    from transformers import BatchEncoding
+
+    collated = collated_batches()
+    assert all(isinstance(batch, BatchEncoding) for batch in collated)
+    as_dicts = early_signal_batches(n=128, batch_size=32)
+    model = tiny_classifier("last", attn_implementation="eager")
+    reference = attention_pooling_weights(model, as_dicts)
+    for batches in (collated,
+                    [batch["input_ids"] for batch in as_dicts],
+                    [(b["input_ids"], b["labels"]) for b in as_dicts],
+                    [[b["input_ids"], b["attention_mask"], b["labels"]] for b in as_dicts]):
+        np.testing.assert_allclose(attention_pooling_weights(model, batches).layer_weights,
+                                   reference.layer_weights, atol=1e-6)
+    report = attention_pooling_report(model, collated)
+    assert {row["pooling"] for row in report} >= {"attention layer 0", "mean", "optimal"}
+    fit_from_encodings = fit_rmt_pooling(tiny_classifier(), collated)
+    fit_from_tuples = fit_rmt_pooling(tiny_classifier(), [(b["input_ids"], b["attention_mask"], b["labels"])
+                                                          for b in as_dicts])
+    np.testing.assert_allclose(fit_from_encodings.weights, fit_from_tuples.weights, atol=1e-8)
+    assert fit_from_encodings.snr_previous is None  # the head was unfitted
+    with pytest.raises(ValueError, match="mappings.*got str"):
+        attention_pooling_weights(model, ["not a batch"])
+    with pytest.raises(ValueError, match="length 4"):
+        attention_pooling_weights(model, [tuple(as_dicts[0]["input_ids"] for _ in range(4))])
+
+
+def test_an_unfitted_rmt_optimal_head_refuses_to_run_but_can_be_measured_and_fitted():
+    model = tiny_classifier()
+    batch = {k: v for k, v in early_signal_batches(n=8, batch_size=8)[0].items() if k != "labels"}
+    with pytest.raises(ValueError, match="no fitted weights.*fit_rmt_pooling"):
+        model(**batch)
+    attention_pooling_weights(model, [batch])  # reads attentions only: allowed before fitting
+    with pytest.raises(ValueError, match="no fitted weights"):
+        model(**batch)  # ... and the refusal is back afterwards
+    fit_rmt_pooling(model, early_signal_batches(n=128), states="pooled")
+    assert model.pooling.is_fitted
+    assert model(**batch).logits.shape == (8, 2)

@@ -3,6 +3,22 @@ attention, or a per-token choice among them made from the token's spectral entro
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+from transformers.utils import logging
+
+from ...ops.pooling import POOLING_MODES
+from ...ops.validation import (
+    check_bool,
+    check_choice,
+    check_non_negative,
+    check_positive,
+    check_positive_int,
+    check_probability,
+    take_field_overrides,
+    warn_about_loaded_keys,
+)
+
+logger = logging.get_logger(__name__)
 
 OPERATORS = ("dct", "rbf", "attention")
 LAYER_OPERATORS = OPERATORS + ("routed",)
@@ -11,7 +27,9 @@ ROUTED_EXECUTIONS = ("sparse", "dense")
 RBF_VARIANTS = ("positive", "authors")
 LAYER_NORM_POSITIONS = ("post", "pre")
 DCT_IMPLEMENTATIONS = ("matrix", "fft")
-CLASSIFIER_POOLINGS = ("last", "mean", "learned", "rmt_optimal")
+# Defaults of the fields that only some layouts read: a different value where nothing reads it is refused.
+DEFAULT_ROUTED_OPERATORS = ["dct", "attention"]
+DEFAULT_TAU_MID, DEFAULT_TAU_LO, DEFAULT_TAU_HI = 0.86, 0.855, 0.865
 
 # What each layer keeps in a `DynamicCache(config=...)` (transformers' layer types): keys/values for attention,
 # the RBF prefix sums as a recurrent state, nothing for DCT mixing ("moe" is transformers' name for a layer with
@@ -110,9 +128,9 @@ class ChiarConfig(PreTrainedConfig):
     routed_operators: list[str] | None = None
     router_type: str = "threshold"
     routed_execution: str = "sparse"
-    tau_mid: int | float = 0.86
-    tau_lo: int | float = 0.855
-    tau_hi: int | float = 0.865
+    tau_mid: int | float = DEFAULT_TAU_MID
+    tau_lo: int | float = DEFAULT_TAU_LO
+    tau_hi: int | float = DEFAULT_TAU_HI
     layer_thresholds: list[list[int | float] | None] | None = None
     router_usage_entropy_weight: int | float = 0.0
     dct_implementation: str = "matrix"
@@ -134,18 +152,18 @@ class ChiarConfig(PreTrainedConfig):
         if self.layer_operators is None and isinstance(self.num_hidden_layers, int) and self.num_hidden_layers > 0:
             self.layer_operators = default_layer_operators(self.num_hidden_layers)
         if self.routed_operators is None:
-            self.routed_operators = ["dct", "attention"]
+            self.routed_operators = list(DEFAULT_ROUTED_OPERATORS)
         if self.rbf_gamma is None and isinstance(self.hidden_size, int) and self.hidden_size > 0:
             self.rbf_gamma = 1.0 / (4 * self.hidden_size)
         self._validate()
         super().__post_init__(**kwargs)
 
     def _validate(self):
+        # Every value is checked where it enters (types are checked by `@strict` on assignment): a NaN, an infinite
+        # base or a setting that the chosen layout would ignore is refused with its name and value.
         for name in ("vocab_size", "max_position_embeddings", "hidden_size", "num_hidden_layers",
                      "num_attention_heads", "intermediate_size", "rbf_num_features", "rbf_chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
@@ -153,27 +171,24 @@ class ChiarConfig(PreTrainedConfig):
             )
         if (self.hidden_size // self.num_attention_heads) % 2:
             raise ValueError("`hidden_size` / `num_attention_heads` must be even (RoPE rotates channel pairs)")
+        check_choice("hidden_act", self.hidden_act, sorted(ACT2FN))
         for name in ("hidden_dropout", "attention_dropout", "classifier_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"`{name}` must be in [0, 1), got {value!r}")
+            check_probability(name, getattr(self, name))
         for name, allowed in (
             ("layer_norm_position", LAYER_NORM_POSITIONS),
             ("router_type", ROUTER_TYPES),
             ("routed_execution", ROUTED_EXECUTIONS),
             ("rbf_variant", RBF_VARIANTS),
             ("dct_implementation", DCT_IMPLEMENTATIONS),
-            ("classifier_pooling", CLASSIFIER_POOLINGS),
+            ("classifier_pooling", POOLING_MODES),
         ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}")
+            check_choice(name, getattr(self, name), allowed)
         for name in ("layer_norm_eps", "rope_theta", "rbf_gamma"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)!r}")
-        if self.router_usage_entropy_weight < 0:
-            raise ValueError(
-                f"`router_usage_entropy_weight` must be >= 0, got {self.router_usage_entropy_weight!r}"
-            )
+            check_positive(name, getattr(self, name))
+        check_non_negative("initializer_range", self.initializer_range)
+        check_non_negative("router_usage_entropy_weight", self.router_usage_entropy_weight)
+        for name in ("attention_bias", "is_causal", "use_cache", "tie_word_embeddings"):
+            check_bool(name, getattr(self, name))
 
         if not isinstance(self.layer_operators, list):
             raise ValueError(f"`layer_operators` must be a list of operator names, got {self.layer_operators!r}")
@@ -199,11 +214,6 @@ class ChiarConfig(PreTrainedConfig):
                 "in a causal model (`is_causal=True`); use `rbf_variant='positive'` (causal prefix sums) or build a "
                 "bidirectional encoder with `is_causal=False`"
             )
-        if self.router_usage_entropy_weight > 0 and self.routed_layers and self.router_type == "threshold":
-            raise ValueError(
-                "`router_usage_entropy_weight` regularises router probabilities, which `router_type='threshold'` does "
-                "not have; use `router_type='hard'` or `'soft'`, or set the weight to 0"
-            )
 
         for name in ("tau_mid", "tau_lo", "tau_hi"):
             self._check_thresholds(name, [getattr(self, name)])
@@ -218,16 +228,82 @@ class ChiarConfig(PreTrainedConfig):
             for index, thresholds in enumerate(self.layer_thresholds):
                 if thresholds is None:
                     continue
+                if self.layer_operators[index] != "routed":
+                    raise ValueError(
+                        f"`layer_thresholds[{index}]={thresholds!r}` would be ignored: layer {index} runs "
+                        f"{self.layer_operators[index]!r}, not 'routed'; give None for non-routed layers"
+                    )
                 if len(thresholds) != len(self.routed_operators) - 1:
                     raise ValueError(
                         f"`layer_thresholds[{index}]` must hold {len(self.routed_operators) - 1} value(s) for "
                         f"{len(self.routed_operators)} routed operators, got {thresholds!r}"
                     )
                 self._check_thresholds(f"layer_thresholds[{index}]", thresholds)
+        self._refuse_ignored_routing_settings()
+
+    def _refuse_ignored_routing_settings(self):
+        """Routing settings that this layout would not read: refused rather than silently ignored."""
+        if not self.routed_layers:
+            changed = [
+                f"{name}={value!r}"
+                for name, value, default in (
+                    ("routed_operators", self.routed_operators, DEFAULT_ROUTED_OPERATORS),
+                    ("router_type", self.router_type, "threshold"),
+                    ("router_usage_entropy_weight", self.router_usage_entropy_weight, 0.0),
+                    ("layer_thresholds", self.layer_thresholds, None),
+                )
+                if value != default and not (name == "layer_thresholds" and value is not None and not any(
+                    t is not None for t in value))
+            ]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} would be ignored: no layer is 'routed' (`layer_operators`="
+                    f"{self.layer_operators!r})"
+                )
+            return
+        if self.router_usage_entropy_weight > 0 and self.router_type == "threshold":
+            raise ValueError(
+                f"`router_usage_entropy_weight={self.router_usage_entropy_weight!r}` regularises router probabilities, "
+                "which `router_type='threshold'` does not have; use `router_type='hard'` or `'soft'`, or set the "
+                "weight to 0"
+            )
+        if self.router_type != "threshold":
+            if self.layer_thresholds is not None and any(t is not None for t in self.layer_thresholds):
+                raise ValueError(
+                    f"`layer_thresholds` would be ignored: `router_type={self.router_type!r}` learns its routing; "
+                    "thresholds apply to `router_type='threshold'`"
+                )
+            changed = [f"{name}={getattr(self, name)!r}" for name, default in
+                       (("tau_mid", DEFAULT_TAU_MID), ("tau_lo", DEFAULT_TAU_LO), ("tau_hi", DEFAULT_TAU_HI))
+                       if getattr(self, name) != default]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} would be ignored: `router_type={self.router_type!r}` learns its routing; "
+                    "thresholds apply to `router_type='threshold'`"
+                )
+            return
+        unused = (("tau_lo", DEFAULT_TAU_LO), ("tau_hi", DEFAULT_TAU_HI)) if len(self.routed_operators) == 2 else (
+            ("tau_mid", DEFAULT_TAU_MID),)
+        changed = [f"{name}={getattr(self, name)!r}" for name, default in unused if getattr(self, name) != default]
+        if changed:
+            used = "`tau_mid`" if len(self.routed_operators) == 2 else "`tau_lo` / `tau_hi`"
+            raise ValueError(
+                f"{', '.join(changed)} would be ignored: {len(self.routed_operators)} routed operators "
+                f"({self.routed_operators}) are split by {used}"
+            )
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """transformers' `from_dict` (used by every `from_pretrained`), plus a warning naming the fields a loaded
+        config lacks (their defaults decide the computation) and the keys it has that are no field; overriding
+        fields (`from_pretrained(path, router_type="hard")`) are checked together with the file's values."""
+        config_dict = {**config_dict, **take_field_overrides(cls, kwargs)}
+        warn_about_loaded_keys(cls, config_dict, logger)
+        return super().from_dict(config_dict, **kwargs)
 
     @staticmethod
     def _check_thresholds(name: str, values) -> None:
-        if any(not 0.0 <= value <= 1.0 for value in values):
+        if not isinstance(values, (list, tuple)) or any(not 0.0 <= value <= 1.0 for value in values):
             raise ValueError(f"`{name}` must lie in [0, 1] (entropies are normalised), got {list(values)!r}")
         if list(values) != sorted(values):
             raise ValueError(f"`{name}`: τ_lo must not exceed τ_hi, got {list(values)!r}")

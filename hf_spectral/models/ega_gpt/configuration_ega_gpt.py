@@ -3,13 +3,28 @@ layers carry an energy gate (SPEC 1.1-1.4)."""
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 from transformers.utils import logging
+
+from ...ops.pooling import POOLING_MODES
+from ...ops.validation import (
+    check_bool,
+    check_choice,
+    check_finite,
+    check_index_list,
+    check_non_negative,
+    check_positive,
+    check_positive_int,
+    check_probability,
+    take_field_overrides,
+    warn_about_loaded_keys,
+)
 
 logger = logging.get_logger(__name__)
 
 ENERGY_KINDS = ("linear", "conv", "morlet", "db2", "db4")
 ENERGY_NORMALIZATIONS = ("causal", "window", "none")
-CLASSIFIER_POOLINGS = ("last", "mean", "learned", "rmt_optimal")
+DEFAULT_ENERGY_NORM_EPS = 1e-5
 DEFAULT_KERNEL_SIZES = (3, 7, 15, 31)  # EGA-C and EGA-M scales (SPEC 1.3)
 DEFAULT_DILATIONS = (1, 2, 4, 8)  # EGA-DB2 / EGA-DB4 dyadic dilations (SPEC 1.3)
 
@@ -96,7 +111,7 @@ class EGAConfig(PreTrainedConfig):
     energy_scales: list[int] | None = None
     morlet_learnable: bool = True
     energy_normalization: str = "causal"
-    energy_norm_eps: int | float = 1e-5
+    energy_norm_eps: int | float = DEFAULT_ENERGY_NORM_EPS
     gate_tau_init: int | float = 0.0
     gate_alpha_init: int | float = 2.0
     classifier_pooling: str = "last"
@@ -120,43 +135,67 @@ class EGAConfig(PreTrainedConfig):
             )
 
     def _validate(self):
+        # Every value is checked where it enters (types are checked by `@strict` on assignment): a NaN epsilon or a
+        # setting that the chosen mechanism would ignore is refused with its name and value.
         for name in ("vocab_size", "max_position_embeddings", "hidden_size", "num_hidden_layers",
                      "num_attention_heads", "intermediate_size", "energy_projections"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
                 f"({self.num_attention_heads})"
             )
+        check_choice("hidden_act", self.hidden_act, sorted(ACT2FN))
         for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop", "classifier_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"`{name}` must be in [0, 1), got {value!r}")
-        if self.energy_kind not in ENERGY_KINDS:
-            raise ValueError(f"`energy_kind` must be one of {ENERGY_KINDS}, got {self.energy_kind!r}")
-        if self.energy_normalization not in ENERGY_NORMALIZATIONS:
+            check_probability(name, getattr(self, name))
+        check_positive("layer_norm_eps", self.layer_norm_eps)
+        check_non_negative("initializer_range", self.initializer_range)
+        for name in ("bias", "use_cache", "tie_word_embeddings", "morlet_learnable"):
+            check_bool(name, getattr(self, name))
+        check_choice("energy_kind", self.energy_kind, ENERGY_KINDS)
+        check_choice("energy_normalization", self.energy_normalization, ENERGY_NORMALIZATIONS)
+        check_choice("classifier_pooling", self.classifier_pooling, POOLING_MODES)
+        check_positive("energy_norm_eps", self.energy_norm_eps)
+        check_finite("gate_tau_init", self.gate_tau_init)
+        check_finite("gate_alpha_init", self.gate_alpha_init)
+        if self.energy_gate_layers is not None:
+            check_index_list("energy_gate_layers", self.energy_gate_layers, self.num_hidden_layers)
+
+        # Settings the chosen energy would ignore.
+        if self.energy_kind != "linear" and self.energy_projections != 1:
             raise ValueError(
-                f"`energy_normalization` must be one of {ENERGY_NORMALIZATIONS}, got {self.energy_normalization!r}"
+                f"`energy_projections={self.energy_projections}` applies to linear energies (EGA-k) and would be "
+                f"ignored with `energy_kind={self.energy_kind!r}`; its scales are set by `energy_scales`"
             )
-        if self.classifier_pooling not in CLASSIFIER_POOLINGS:
-            raise ValueError(
-                f"`classifier_pooling` must be one of {CLASSIFIER_POOLINGS}, got {self.classifier_pooling!r}"
-            )
-        if self.energy_norm_eps <= 0:
-            raise ValueError(f"`energy_norm_eps` must be positive, got {self.energy_norm_eps!r}")
         if self.energy_scales is not None:
             if self.energy_kind == "linear":
-                raise ValueError("`energy_scales` applies to conv/morlet/db energies; use `energy_projections` for linear")
-            if not self.energy_scales or any(not isinstance(s, int) or s <= 0 for s in self.energy_scales):
-                raise ValueError(f"`energy_scales` must be a non-empty list of positive integers, got {self.energy_scales!r}")
-        if self.energy_gate_layers is not None:
-            bad = [i for i in self.energy_gate_layers if not isinstance(i, int) or not 0 <= i < self.num_hidden_layers]
-            if bad:
                 raise ValueError(
-                    f"`energy_gate_layers` must hold layer indices in [0, {self.num_hidden_layers}), got {bad}"
+                    f"`energy_scales={self.energy_scales!r}` applies to conv/morlet/db energies and would be ignored "
+                    "with `energy_kind='linear'`; use `energy_projections` for linear energies"
                 )
+            if not self.energy_scales or any(
+                not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in self.energy_scales
+            ):
+                raise ValueError(f"`energy_scales` must be a non-empty list of positive integers, got {self.energy_scales!r}")
+        if self.energy_kind != "morlet" and self.morlet_learnable is not True:
+            raise ValueError(
+                f"`morlet_learnable={self.morlet_learnable!r}` applies to Morlet energies and would be ignored with "
+                f"`energy_kind={self.energy_kind!r}`"
+            )
+        if self.energy_normalization == "none" and self.energy_norm_eps != DEFAULT_ENERGY_NORM_EPS:
+            raise ValueError(
+                f"`energy_norm_eps={self.energy_norm_eps!r}` bounds the std of the energy statistics and would be "
+                "ignored with `energy_normalization='none'`"
+            )
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """transformers' `from_dict` (used by every `from_pretrained`), plus a warning naming the fields a loaded
+        config lacks (their defaults decide the computation) and the keys it has that are no field; overriding
+        fields (`from_pretrained(path, energy_kind="conv")`) are checked together with the file's values."""
+        config_dict = {**config_dict, **take_field_overrides(cls, kwargs)}
+        warn_about_loaded_keys(cls, config_dict, logger)
+        return super().from_dict(config_dict, **kwargs)
 
     @property
     def gated_layers(self) -> list[int]:

@@ -1,6 +1,11 @@
 """ChiarConfig: defaults, derived layouts and clear errors for bad values."""
 
+import json
+import logging
+
 import pytest
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+from transformers import AutoConfig
 
 from hf_spectral import ChiarConfig
 
@@ -49,44 +54,111 @@ def test_config_round_trips_through_json(tmp_path):
         assert getattr(loaded, name) == getattr(config, name)
 
 
-@pytest.mark.parametrize(
-    "overrides, field",
-    [
-        (dict(layer_operators=["dct", "fourier", "routed", "attention"]), "layer_operators"),
-        (dict(routed_operators=["dct", "convolution"]), "routed_operators"),
-        (dict(routed_operators=["attention"]), "routed_operators"),
-        (dict(routed_operators=["dct", "dct"]), "routed_operators"),
-        (dict(layer_operators=["dct", "routed", "attention"]), "layer_operators"),
-        (dict(num_hidden_layers=3, layer_operators=["dct", "routed", "routed", "attention"]), "layer_operators"),
-        (dict(tau_mid=1.2), "tau_mid"),
-        (dict(tau_lo=-0.1), "tau_lo"),
-        (dict(tau_hi=1.5), "tau_hi"),
-        (dict(tau_lo=0.9, tau_hi=0.8), "tau_lo"),
-        (dict(layer_thresholds=[None, [1.3], None, None]), "layer_thresholds[1]"),
-        (dict(routed_operators=["dct", "rbf", "attention"], layer_thresholds=[None, [0.7, 0.6], None, None]),
-         "layer_thresholds[1]"),
-        (dict(layer_thresholds=[None, [0.5, 0.6], None, None]), "layer_thresholds[1]"),
-        (dict(layer_thresholds=[None, [0.5]]), "layer_thresholds"),
-        (dict(router_type="learned"), "router_type"),
-        (dict(routed_execution="lazy"), "routed_execution"),
-        (dict(rbf_variant="cosine"), "rbf_variant"),
-        (dict(layer_norm_position="sandwich"), "layer_norm_position"),
-        (dict(dct_implementation="wavelet"), "dct_implementation"),
-        (dict(classifier_pooling="max"), "classifier_pooling"),
-        (dict(hidden_size=30), "hidden_size"),
-        (dict(hidden_size=12, num_attention_heads=4), "hidden_size"),  # odd head dim: RoPE needs pairs
-        (dict(hidden_dropout=1.0), "hidden_dropout"),
-        (dict(rbf_num_features=0), "rbf_num_features"),
-        (dict(rbf_gamma=-1.0), "rbf_gamma"),
-        (dict(router_usage_entropy_weight=-0.01), "router_usage_entropy_weight"),
-        (dict(router_usage_entropy_weight=0.01), "router_usage_entropy_weight"),  # threshold routing has no probs
-        (dict(layer_operators=["rbf", "attention"], num_hidden_layers=2, rbf_variant="authors"), "rbf_variant"),
-    ],
-)
-def test_bad_values_raise_a_value_error_naming_the_field(overrides, field):
-    with pytest.raises(ValueError) as error:
+NAN, INF = float("nan"), float("inf")
+THREE = ["dct", "rbf", "attention"]
+
+# Every bad value or ignored combination, with the message it must raise. Wrong types are refused by `@strict`
+# (huggingface_hub's StrictDataclassFieldValidationError, as for every transformers config); the rest by ValueError.
+BAD_CONFIGS = [
+    (dict(vocab_size=0), ValueError, r"`vocab_size` must be a positive integer, got 0"),
+    (dict(rbf_num_features=0), ValueError, r"`rbf_num_features` must be a positive integer, got 0"),
+    (dict(rbf_chunk_size=-8), ValueError, r"`rbf_chunk_size` must be a positive integer, got -8"),
+    (dict(intermediate_size=0), ValueError, r"`intermediate_size` must be a positive integer, got 0"),
+    (dict(hidden_size=30), ValueError, r"`hidden_size` \(30\) must be divisible"),
+    (dict(hidden_size=12, num_attention_heads=4), ValueError, r"`hidden_size` / `num_attention_heads` must be even"),
+    (dict(num_attention_heads=True), StrictDataclassFieldValidationError, r"num_attention_heads.*expected int"),
+    (dict(hidden_act="swishy"), ValueError, r"`hidden_act` must be one of .*, got 'swishy'"),
+    (dict(hidden_dropout=1.0), ValueError, r"`hidden_dropout` must be in \[0, 1\), got 1.0"),
+    (dict(attention_dropout=NAN), ValueError, r"`attention_dropout` must be a finite number, got nan"),
+    (dict(classifier_dropout=-0.5), ValueError, r"`classifier_dropout` must be in \[0, 1\), got -0.5"),
+    (dict(layer_norm_eps=-1), ValueError, r"`layer_norm_eps` must be positive, got -1"),
+    (dict(layer_norm_eps=INF), ValueError, r"`layer_norm_eps` must be a finite number, got inf"),
+    (dict(initializer_range=NAN), ValueError, r"`initializer_range` must be a finite number, got nan"),
+    (dict(rope_theta=INF), ValueError, r"`rope_theta` must be a finite number, got inf"),
+    (dict(rope_theta=0), ValueError, r"`rope_theta` must be positive, got 0"),
+    (dict(rbf_gamma=INF), ValueError, r"`rbf_gamma` must be a finite number, got inf"),
+    (dict(rbf_gamma=-1.0), ValueError, r"`rbf_gamma` must be positive, got -1.0"),
+    (dict(router_type="hard", router_usage_entropy_weight=INF), ValueError,
+     r"`router_usage_entropy_weight` must be a finite number, got inf"),
+    (dict(router_usage_entropy_weight=-0.01), ValueError, r"`router_usage_entropy_weight` must be >= 0, got -0.01"),
+    (dict(attention_bias="yes"), StrictDataclassFieldValidationError, r"attention_bias.*expected bool.*'yes'"),
+    (dict(is_causal=0), StrictDataclassFieldValidationError, r"is_causal.*expected bool"),
+    (dict(layer_operators=["dct", "fourier", "routed", "attention"]), ValueError,
+     r"`layer_operators` has unknown operators \['fourier'\]"),
+    (dict(layer_operators=["dct", "routed", "attention"]), ValueError,
+     r"`layer_operators` has 3 entries but `num_hidden_layers` is 4"),
+    (dict(routed_operators=["dct", "convolution"]), ValueError, r"`routed_operators` has unknown operators"),
+    (dict(routed_operators=["attention"]), ValueError, r"`routed_operators` must list 2 or 3 distinct operators"),
+    (dict(routed_operators=["dct", "dct"]), ValueError, r"`routed_operators` must list 2 or 3 distinct operators"),
+    (dict(router_type="learned"), ValueError, r"`router_type` must be one of \('threshold', 'hard', 'soft'\)"),
+    (dict(routed_execution="lazy"), ValueError, r"`routed_execution` must be one of .*, got 'lazy'"),
+    (dict(rbf_variant="cosine"), ValueError, r"`rbf_variant` must be one of .*, got 'cosine'"),
+    (dict(layer_norm_position="sandwich"), ValueError, r"`layer_norm_position` must be one of .*, got 'sandwich'"),
+    (dict(dct_implementation="wavelet"), ValueError, r"`dct_implementation` must be one of .*, got 'wavelet'"),
+    (dict(classifier_pooling="max"), ValueError, r"`classifier_pooling` must be one of .*, got 'max'"),
+    (dict(tau_mid=1.2), ValueError, r"`tau_mid` must lie in \[0, 1\].*\[1.2\]"),
+    (dict(tau_mid=NAN), ValueError, r"`tau_mid` must lie in \[0, 1\].*nan"),
+    (dict(tau_lo=-0.1), ValueError, r"`tau_lo` must lie in \[0, 1\]"),
+    (dict(tau_hi=1.5), ValueError, r"`tau_hi` must lie in \[0, 1\]"),
+    (dict(tau_lo=0.9, tau_hi=0.8), ValueError, r"`tau_lo` \(0.9\) must not exceed `tau_hi` \(0.8\)"),
+    (dict(layer_thresholds=[None, [1.3], None, None]), ValueError, r"`layer_thresholds\[1\]` must lie in \[0, 1\]"),
+    (dict(routed_operators=THREE, layer_thresholds=[None, [0.7, 0.6], None, None]), ValueError,
+     r"`layer_thresholds\[1\]`: τ_lo must not exceed τ_hi"),
+    (dict(layer_thresholds=[None, [0.5, 0.6], None, None]), ValueError,
+     r"`layer_thresholds\[1\]` must hold 1 value\(s\) for 2 routed operators"),
+    (dict(layer_thresholds=[None, [0.5]]), ValueError, r"`layer_thresholds` has 2 entries but `num_hidden_layers` is 4"),
+    (dict(layer_operators=["rbf", "attention"], num_hidden_layers=2, rbf_variant="authors"), ValueError,
+     r"`rbf_variant='authors'` .* cannot be used in a causal model"),
+    # combinations that would be silently ignored
+    (dict(router_usage_entropy_weight=0.01), ValueError,
+     r"`router_usage_entropy_weight=0.01` regularises router probabilities, which `router_type='threshold'`"),
+    (dict(layer_thresholds=[[0.5], None, None, None]), ValueError,
+     r"`layer_thresholds\[0\]=\[0.5\]` would be ignored: layer 0 runs 'dct', not 'routed'"),
+    (dict(layer_operators=["dct", "attention"], num_hidden_layers=2, router_type="soft"), ValueError,
+     r"router_type='soft' would be ignored: no layer is 'routed'"),
+    (dict(layer_operators=["dct", "attention"], num_hidden_layers=2, routed_operators=THREE), ValueError,
+     r"routed_operators=\['dct', 'rbf', 'attention'\] would be ignored: no layer is 'routed'"),
+    (dict(router_type="hard", tau_mid=0.5), ValueError,
+     r"tau_mid=0.5 would be ignored: `router_type='hard'` learns its routing"),
+    (dict(router_type="soft", routed_operators=THREE, layer_thresholds=[None, [0.2, 0.4], None, None]), ValueError,
+     r"`layer_thresholds` would be ignored: `router_type='soft'` learns its routing"),
+    (dict(tau_lo=0.1), ValueError, r"tau_lo=0.1 would be ignored: 2 routed operators .* split by `tau_mid`"),
+    (dict(routed_operators=THREE, tau_mid=0.5), ValueError,
+     r"tau_mid=0.5 would be ignored: 3 routed operators .* split by `tau_lo` / `tau_hi`"),
+]
+
+
+@pytest.mark.parametrize("overrides, error, message", BAD_CONFIGS, ids=[str(row[0]) for row in BAD_CONFIGS])
+def test_bad_values_and_ignored_combinations_are_refused_with_field_and_value(overrides, error, message):
+    with pytest.raises(error, match=message):
         tiny_config(**overrides)
-    assert f"`{field}" in str(error.value)
+
+
+def saved_config(tmp_path, **overrides) -> dict:
+    tiny_config(**overrides).save_pretrained(tmp_path)
+    return json.loads((tmp_path / "config.json").read_text())
+
+
+def test_loading_our_own_saved_config_is_silent(tmp_path, caplog):
+    saved_config(tmp_path, routed_operators=THREE, router_type="hard")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ChiarConfig.from_pretrained(tmp_path)
+        AutoConfig.from_pretrained(tmp_path)
+    assert [r for r in caplog.records if "loaded config" in r.getMessage()] == []
+
+
+def test_a_loaded_config_without_a_computation_field_or_with_an_unknown_key_warns_naming_them(tmp_path, caplog):
+    values = saved_config(tmp_path)
+    del values["rope_theta"]
+    values["router"] = values.pop("router_type")
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    with caplog.at_level(logging.WARNING):
+        config = AutoConfig.from_pretrained(tmp_path)
+    assert config.rope_theta == 10000.0
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "no value for ['rope_theta', 'router_type']" in warning
+    assert "not ChiarConfig fields and are ignored: ['router']" in warning
 
 
 def test_authors_rbf_is_accepted_in_an_encoder():

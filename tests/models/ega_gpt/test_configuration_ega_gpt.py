@@ -1,29 +1,122 @@
+import json
+import logging
+
 import pytest
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+from transformers import AutoConfig
 
 from hf_spectral import EGAConfig, EGAForCausalLM
 from hf_spectral.models.ega_gpt.configuration_ega_gpt import VARIANTS
 
 
-@pytest.mark.parametrize(
-    "overrides, field",
-    [
-        ({"hidden_size": 30, "num_attention_heads": 4}, "hidden_size"),
-        ({"energy_kind": "fourier"}, "energy_kind"),
-        ({"energy_kind": "conv", "energy_scales": [3, -7]}, "energy_scales"),
-        ({"energy_kind": "morlet", "energy_scales": []}, "energy_scales"),
-        ({"energy_scales": [3]}, "energy_scales"),  # scales make no sense for linear energies
-        ({"energy_normalization": "global"}, "energy_normalization"),
-        ({"energy_gate_layers": [0, 9]}, "energy_gate_layers"),
-        ({"energy_projections": 0}, "energy_projections"),
-        ({"num_hidden_layers": -1}, "num_hidden_layers"),
-        ({"attn_pdrop": 1.5}, "attn_pdrop"),
-        ({"energy_norm_eps": 0.0}, "energy_norm_eps"),
-        ({"classifier_pooling": "max"}, "classifier_pooling"),
-    ],
-)
-def test_bad_config_values_raise_value_error_naming_the_field(overrides, field):
-    with pytest.raises(ValueError, match=field):
+NAN, INF = float("nan"), float("inf")
+
+# Every bad value or ignored combination, with the message it must raise. Wrong types are refused by `@strict`
+# (huggingface_hub's StrictDataclassFieldValidationError, as for every transformers config); the rest by ValueError.
+BAD_CONFIGS = [
+    ({"vocab_size": 0}, ValueError, r"`vocab_size` must be a positive integer, got 0"),
+    ({"max_position_embeddings": -4}, ValueError, r"`max_position_embeddings` must be a positive integer, got -4"),
+    ({"num_hidden_layers": -1}, ValueError, r"`num_hidden_layers` must be a positive integer, got -1"),
+    ({"hidden_size": 30, "num_attention_heads": 4}, ValueError, r"`hidden_size` \(30\) must be divisible"),
+    ({"intermediate_size": 0}, ValueError, r"`intermediate_size` must be a positive integer, got 0"),
+    ({"energy_projections": 0}, ValueError, r"`energy_projections` must be a positive integer, got 0"),
+    ({"vocab_size": True}, StrictDataclassFieldValidationError, r"vocab_size.*expected int, got bool"),
+    ({"hidden_act": "gelux"}, ValueError, r"`hidden_act` must be one of \(.*'gelu'.*\), got 'gelux'"),
+    ({"attn_pdrop": 1.5}, ValueError, r"`attn_pdrop` must be in \[0, 1\), got 1.5"),
+    ({"resid_pdrop": NAN}, ValueError, r"`resid_pdrop` must be a finite number, got nan"),
+    ({"embd_pdrop": -0.1}, ValueError, r"`embd_pdrop` must be in \[0, 1\), got -0.1"),
+    ({"classifier_dropout": 1}, ValueError, r"`classifier_dropout` must be in \[0, 1\), got 1"),
+    ({"layer_norm_eps": -1}, ValueError, r"`layer_norm_eps` must be positive, got -1"),
+    ({"layer_norm_eps": NAN}, ValueError, r"`layer_norm_eps` must be a finite number, got nan"),
+    ({"initializer_range": INF}, ValueError, r"`initializer_range` must be a finite number, got inf"),
+    ({"initializer_range": -0.02}, ValueError, r"`initializer_range` must be >= 0, got -0.02"),
+    ({"energy_norm_eps": NAN}, ValueError, r"`energy_norm_eps` must be a finite number, got nan"),
+    ({"energy_norm_eps": 0.0}, ValueError, r"`energy_norm_eps` must be positive, got 0.0"),
+    ({"gate_alpha_init": NAN}, ValueError, r"`gate_alpha_init` must be a finite number, got nan"),
+    ({"gate_alpha_init": -INF}, ValueError, r"`gate_alpha_init` must be a finite number, got -inf"),
+    ({"gate_tau_init": INF}, ValueError, r"`gate_tau_init` must be a finite number, got inf"),
+    ({"bias": "yes"}, StrictDataclassFieldValidationError, r"bias.*expected bool.*'yes'"),
+    ({"use_cache": 1}, StrictDataclassFieldValidationError, r"use_cache.*expected bool.*1"),
+    ({"morlet_learnable": "no"}, StrictDataclassFieldValidationError, r"morlet_learnable.*expected bool.*'no'"),
+    ({"energy_kind": "fourier"}, ValueError, r"`energy_kind` must be one of \('linear', .*\), got 'fourier'"),
+    ({"energy_normalization": "global"}, ValueError, r"`energy_normalization` must be one of .*, got 'global'"),
+    ({"classifier_pooling": "max"}, ValueError, r"`classifier_pooling` must be one of .*'rmt_optimal'\), got 'max'"),
+    ({"energy_gate_layers": [0, 9]}, ValueError, r"`energy_gate_layers` must hold integer indices >= 0, < 6, got 9"),
+    ({"energy_gate_layers": [1, 1]}, ValueError, r"`energy_gate_layers` lists an index twice: \[1, 1\]"),
+    ({"energy_kind": "conv", "energy_scales": [3, -7]}, ValueError,
+     r"`energy_scales` must be a non-empty list of positive integers, got \[3, -7\]"),
+    ({"energy_kind": "morlet", "energy_scales": []}, ValueError, r"`energy_scales` must be a non-empty list"),
+    # combinations that would be silently ignored
+    ({"energy_scales": [3]}, ValueError, r"`energy_scales=\[3\]` applies to conv/morlet/db energies"),
+    ({"energy_kind": "conv", "energy_projections": 3}, ValueError,
+     r"`energy_projections=3` applies to linear energies .* ignored with `energy_kind='conv'`"),
+    ({"energy_kind": "db2", "morlet_learnable": False}, ValueError,
+     r"`morlet_learnable=False` applies to Morlet energies .* ignored with `energy_kind='db2'`"),
+    ({"energy_normalization": "none", "energy_norm_eps": 1e-3}, ValueError,
+     r"`energy_norm_eps=0.001` .* ignored with `energy_normalization='none'`"),
+]
+
+
+@pytest.mark.parametrize("overrides, error, message", BAD_CONFIGS, ids=[str(row[0]) for row in BAD_CONFIGS])
+def test_bad_values_and_ignored_combinations_are_refused_with_field_and_value(overrides, error, message):
+    with pytest.raises(error, match=message):
         EGAConfig(**overrides)
+
+
+def test_every_good_combination_of_the_refused_fields_still_builds():
+    EGAConfig(energy_kind="morlet", morlet_learnable=False, energy_scales=[3, 7])
+    EGAConfig(energy_kind="linear", energy_projections=4)
+    EGAConfig(energy_normalization="none")
+    EGAConfig(gate_alpha_init=0, gate_tau_init=-1.5, initializer_range=0, energy_gate_layers=[])
+
+
+def saved_config(tmp_path, **overrides) -> dict:
+    EGAConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, **overrides).save_pretrained(tmp_path)
+    return json.loads((tmp_path / "config.json").read_text())
+
+
+def write_config(tmp_path, values: dict) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(values))
+
+
+def test_loading_our_own_saved_config_is_silent(tmp_path, caplog):
+    saved_config(tmp_path, energy_kind="conv", energy_normalization="window")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        EGAConfig.from_pretrained(tmp_path)
+        AutoConfig.from_pretrained(tmp_path)
+    assert [r for r in caplog.records if "loaded config" in r.getMessage()] == []
+
+
+def test_a_loaded_config_without_a_computation_field_warns_naming_it(tmp_path, caplog):
+    values = saved_config(tmp_path)
+    del values["energy_normalization"]
+    write_config(tmp_path, values)
+    with caplog.at_level(logging.WARNING):
+        config = AutoConfig.from_pretrained(tmp_path)
+    assert config.energy_normalization == "causal"
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "no value for ['energy_normalization']" in warning and "energy_normalization='causal'" in warning
+
+
+def test_a_misspelt_or_unknown_key_warns_naming_it(tmp_path, caplog):
+    values = saved_config(tmp_path)
+    values["energy_normalisation"] = values.pop("energy_normalization")
+    values["gate_temperature"] = 3.0
+    write_config(tmp_path, values)
+    with caplog.at_level(logging.WARNING):
+        EGAConfig.from_pretrained(tmp_path)
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "no value for ['energy_normalization']" in warning
+    assert "not EGAConfig fields and are ignored: ['energy_normalisation', 'gate_temperature']" in warning
+
+
+def test_overrides_at_load_time_are_checked_with_the_file(tmp_path, caplog):
+    saved_config(tmp_path)
+    loaded = EGAConfig.from_pretrained(tmp_path, energy_kind="conv")
+    assert loaded.energy_kind == "conv" and loaded.energy_scales == [3, 7, 15, 31]  # derived like a fresh config
+    with pytest.raises(ValueError, match="energy_norm_eps"):
+        EGAConfig.from_pretrained(tmp_path, energy_norm_eps=float("nan"))
 
 
 def test_every_paper_variant_builds():

@@ -1,0 +1,134 @@
+"""Checks of configuration values, shared by the model configs and the retrofit's gate config.
+
+Each check raises a ``ValueError`` that names the field and the value it got, so that a typo in a config file or a
+NaN from a sweep is refused where it enters instead of turning into NaN logits (or a silently changed model) later.
+Booleans are refused where numbers are expected (``True`` is an ``int`` to Python, never a size or a rate here).
+"""
+
+import dataclasses
+import math
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_finite(name: str, value) -> None:
+    """A real number that is neither NaN nor infinite."""
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite number, got {value!r}")
+
+
+def check_positive(name: str, value) -> None:
+    """A finite number > 0 (epsilons, widths, bases)."""
+    check_finite(name, value)
+    if not value > 0:
+        raise ValueError(f"`{name}` must be positive, got {value!r}")
+
+
+def check_non_negative(name: str, value) -> None:
+    """A finite number >= 0 (weights of regularisers, standard deviations)."""
+    check_finite(name, value)
+    if not value >= 0:
+        raise ValueError(f"`{name}` must be >= 0, got {value!r}")
+
+
+def check_probability(name: str, value) -> None:
+    """A dropout rate: a finite number in [0, 1)."""
+    check_finite(name, value)
+    if not 0 <= value < 1:
+        raise ValueError(f"`{name}` must be in [0, 1), got {value!r}")
+
+
+def check_positive_int(name: str, value) -> None:
+    """An integer (not a bool) > 0."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    """``True`` or ``False`` (not ``"no"``, not 0/1)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}")
+
+
+def check_choice(name: str, value, allowed) -> None:
+    """One of ``allowed``."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"`{name}` must be one of {tuple(allowed)}, got {value!r}")
+
+
+def check_index_list(name: str, values, size: int | None = None, *, allow_empty: bool = True) -> None:
+    """A list of distinct integer indices >= 0 (and < ``size`` when given)."""
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"`{name}` must be a list of indices, got {values!r}")
+    if not allow_empty and not values:
+        raise ValueError(f"`{name}` must not be empty, got {values!r}")
+    upper = "" if size is None else f", < {size}"
+    for index in values:
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0 or (size is not None and index >= size):
+            raise ValueError(f"`{name}` must hold integer indices >= 0{upper}, got {index!r} in {list(values)!r}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"`{name}` lists an index twice: {list(values)!r}")
+
+
+# Keys transformers itself writes into or reads from a config.json besides the config's fields.
+_TRANSFORMERS_KEYS = {
+    "_name_or_path", "name_or_path", "model_type", "transformers_version", "auto_map", "torch_dtype", "dtype",
+    "num_labels", "attn_implementation", "experts_implementation", "output_attentions", "per_layer_config",
+    "_commit_hash", "custom_pipelines",
+}
+
+
+def take_field_overrides(config_class, kwargs: dict) -> dict:
+    """Pop from ``kwargs`` (``from_pretrained(path, energy_kind=...)``) the values of ``config_class``'s own fields, so
+    that they are checked together with the file's values instead of being assigned after the checks ran."""
+    from transformers import PreTrainedConfig
+
+    base = {field.name for field in dataclasses.fields(PreTrainedConfig)}
+    own = [field.name for field in dataclasses.fields(config_class) if field.name not in base]
+    return {name: kwargs.pop(name) for name in own if name in kwargs}
+
+
+def warn_about_loaded_keys(config_class, config_dict: dict, logger) -> None:
+    """Warn, naming them, about the config class's own fields that ``config_dict`` (a loaded config.json) lacks —
+    their defaults then decide the computation, which may not be what the checkpoint was trained with — and about
+    keys that are no field of the class (a misspelt field is otherwise ignored without a word).
+
+    A config saved by ``save_pretrained`` holds every field of its class that transformers' base config does not
+    have, so loading one is silent."""
+    from transformers import GenerationConfig, PreTrainedConfig
+
+    base = {field.name for field in dataclasses.fields(PreTrainedConfig)}
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    attribute_map = getattr(config_class, "attribute_map", {}) or {}
+    missing = sorted(name for name in fields - base if name not in config_dict)
+    known = fields | base | _TRANSFORMERS_KEYS | set(attribute_map) | set(PreTrainedConfig().to_dict())
+    known |= set(GenerationConfig._get_default_generation_params())
+    unknown = sorted(key for key in config_dict if key not in known)
+    name = config_class.__name__
+    if missing:
+        defaults = ", ".join(f"{field}={getattr(config_class, field, None)!r}" for field in missing)
+        logger.warning(
+            f"{name}: the loaded config has no value for {missing}; using the defaults ({defaults}). If the "
+            "checkpoint was made with other values, its outputs will differ: add them to its config.json."
+        )
+    if unknown:
+        logger.warning(
+            f"{name}: the loaded config has keys that are not {name} fields and are ignored: {unknown} (a misspelt "
+            "field name? the fields are listed in the class docstring)"
+        )
+
+
+__all__ = [
+    "take_field_overrides",
+    "warn_about_loaded_keys",
+    "check_bool",
+    "check_choice",
+    "check_finite",
+    "check_index_list",
+    "check_non_negative",
+    "check_positive",
+    "check_positive_int",
+    "check_probability",
+]

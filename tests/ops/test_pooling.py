@@ -1,0 +1,84 @@
+"""SequencePooling (hf_spectral/ops/pooling.py): the pooling modes of the classification heads."""
+
+import pytest
+import torch
+
+from hf_spectral.ops.pooling import POOLING_MODES, SequencePooling, pool_last, pool_weighted
+
+
+def padded(batch=3, length=7, width=5, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, length, width, generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[0, :2] = 0  # left padding
+    mask[1, -3:] = 0  # right padding
+    return hidden, mask
+
+
+def test_the_configs_use_the_one_list_of_pooling_modes():
+    from hf_spectral.models.chiar_former import configuration_chiar_former
+    from hf_spectral.models.ega_gpt import configuration_ega_gpt
+
+    assert POOLING_MODES == ("last", "mean", "learned", "rmt_optimal")
+    for module in (configuration_ega_gpt, configuration_chiar_former):
+        assert not hasattr(module, "CLASSIFIER_POOLINGS")
+        assert module.POOLING_MODES is POOLING_MODES
+
+
+def test_last_and_mean_pool_the_real_tokens():
+    hidden, mask = padded()
+    torch.testing.assert_close(pool_last(hidden, mask), torch.stack([hidden[0, -1], hidden[1, 3], hidden[2, -1]]))
+    mean = pool_weighted(hidden, mask, mask.float())
+    torch.testing.assert_close(mean[0], hidden[0, 2:].mean(0))
+    torch.testing.assert_close(mean[1], hidden[1, :4].mean(0))
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="'max'.*rmt_optimal"):
+        SequencePooling("max", 8)
+
+
+def test_unfitted_rmt_optimal_refuses_to_run():
+    pooling = SequencePooling("rmt_optimal", 8)
+    hidden, mask = padded()
+    assert not pooling.is_fitted
+    with pytest.raises(ValueError, match="no fitted weights.*fit_rmt_pooling.*set_position_weights"):
+        pooling(hidden, mask)
+    with pooling.unfitted_allowed():  # explicit opt-in: acts as mean pooling
+        torch.testing.assert_close(pooling(hidden, mask), SequencePooling("mean", 8)(hidden, mask))
+    with pytest.raises(ValueError, match="no fitted weights"):
+        pooling(hidden, mask)
+
+
+def test_fitted_rmt_optimal_pools_with_its_weights_by_real_token_position():
+    pooling = SequencePooling("rmt_optimal", 8)
+    weights = torch.tensor([3.0, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0])
+    pooling.set_position_weights(-weights)  # the sign is fixed so that the weights sum to > 0
+    assert pooling.is_fitted
+    torch.testing.assert_close(pooling.position_weights[:7], weights)
+    hidden, mask = padded()
+    pooled = pooling(hidden, mask)
+    expected_row0 = (weights[:5, None] * hidden[0, 2:]).sum(0) / weights[:5].sum()
+    torch.testing.assert_close(pooled[0], expected_row0)
+
+
+def test_weights_of_all_ones_are_mean_pooling_and_not_the_unfitted_state():
+    pooling = SequencePooling("rmt_optimal", 7)
+    pooling.set_position_weights(torch.ones(7))
+    assert pooling.is_fitted
+    hidden, mask = padded()
+    torch.testing.assert_close(pooling(hidden, mask), SequencePooling("mean", 7)(hidden, mask))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (torch.ones(9), "at most 8"),
+    (torch.tensor([1.0, float("nan")]), "finite"),
+    (torch.zeros(3), "not all be zero"),
+])
+def test_bad_position_weights_are_refused(bad, message):
+    pooling = SequencePooling("rmt_optimal", 8)
+    with pytest.raises(ValueError, match=message):
+        pooling.set_position_weights(bad)
+    assert not pooling.is_fitted
+    with pytest.raises(ValueError, match="only in 'rmt_optimal'"):
+        SequencePooling("mean", 8).set_position_weights(torch.ones(3))
