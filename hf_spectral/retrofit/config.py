@@ -4,7 +4,25 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-from ..models.ega_gpt.configuration_ega_gpt import DEFAULT_DILATIONS, DEFAULT_KERNEL_SIZES, ENERGY_KINDS
+from transformers.utils import logging
+
+from ..models.ega_gpt.configuration_ega_gpt import (
+    DEFAULT_DILATIONS,
+    DEFAULT_ENERGY_NORM_EPS,
+    DEFAULT_KERNEL_SIZES,
+    ENERGY_KINDS,
+    ENERGY_NORMALIZATIONS,
+)
+from ..ops.validation import (
+    check_bool,
+    check_choice,
+    check_finite,
+    check_index_list,
+    check_positive,
+    check_positive_int,
+)
+
+logger = logging.get_logger(__name__)
 
 CONFIG_NAME = "energy_gate_config.json"
 
@@ -39,29 +57,48 @@ class EnergyGateConfig:
     morlet_learnable: bool = field(default=True, metadata={"help": "Learn ω₀ and σ of Morlet energies (EGA-M)."})
 
     def __post_init__(self):
-        if self.normalization not in ("causal", "window", "none"):
-            raise ValueError(f"`normalization` must be 'causal', 'window' or 'none', got {self.normalization!r}")
-        if self.energy_kind not in ENERGY_KINDS:
-            raise ValueError(f"`energy_kind` must be one of {ENERGY_KINDS}, got {self.energy_kind!r}")
-        if not isinstance(self.projections, int) or self.projections <= 0:
-            raise ValueError(f"`projections` must be a positive integer, got {self.projections!r}")
+        # Every value is checked here (a plain dataclass: types too), with the field's name and value in the
+        # message; settings that the chosen energy would ignore are refused.
+        check_choice("normalization", self.normalization, ENERGY_NORMALIZATIONS)
+        check_choice("energy_kind", self.energy_kind, ENERGY_KINDS)
+        check_positive_int("projections", self.projections)
+        check_finite("tau_init", self.tau_init)
+        check_finite("alpha_init", self.alpha_init)  # a NaN/inf slope breaks the identity at α = 0
+        check_positive("eps", self.eps)
+        check_bool("morlet_learnable", self.morlet_learnable)
+        if self.energy_kind != "linear" and self.projections != 1:
+            raise ValueError(
+                f"`projections={self.projections}` applies to linear energies (EGA-k) and would be ignored with "
+                f"`energy_kind={self.energy_kind!r}`; its scales are set by `scales`"
+            )
+        if self.energy_kind != "morlet" and self.morlet_learnable is not True:
+            raise ValueError(
+                f"`morlet_learnable={self.morlet_learnable!r}` applies to Morlet energies and would be ignored with "
+                f"`energy_kind={self.energy_kind!r}`"
+            )
+        if self.normalization == "none" and self.eps != DEFAULT_ENERGY_NORM_EPS:
+            raise ValueError(
+                f"`eps={self.eps!r}` bounds the std of the energy statistics and would be ignored with "
+                "`normalization='none'`"
+            )
         if self.scales is None and self.energy_kind != "linear":
             self.scales = list(DEFAULT_KERNEL_SIZES if self.energy_kind in ("conv", "morlet") else DEFAULT_DILATIONS)
         if self.scales is not None:
             if self.energy_kind == "linear":
-                raise ValueError("`scales` applies to conv/morlet/db energies; use `projections` for linear")
-            self.scales = list(self.scales)
-            if not self.scales or any(not isinstance(s, int) or s <= 0 for s in self.scales):
+                raise ValueError(
+                    f"`scales={self.scales!r}` applies to conv/morlet/db energies and would be ignored with "
+                    "`energy_kind='linear'`; use `projections` for linear energies"
+                )
+            if not isinstance(self.scales, (list, tuple)) or not self.scales or any(
+                not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in self.scales
+            ):
                 raise ValueError(f"`scales` must be a non-empty list of positive integers, got {self.scales!r}")
+            self.scales = list(self.scales)
         for name in ("layers", "heads"):
             value = getattr(self, name)
             if value is not None:
-                value = sorted(set(value))
-                if not value or any(not isinstance(i, int) or i < 0 for i in value):
-                    raise ValueError(f"`{name}` must be a non-empty list of non-negative indices, got {getattr(self, name)!r}")
-                setattr(self, name, value)
-        if self.eps <= 0:
-            raise ValueError(f"`eps` must be positive, got {self.eps!r}")
+                check_index_list(name, value, allow_empty=False)
+                setattr(self, name, sorted(value))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,6 +109,12 @@ class EnergyGateConfig:
         unknown = set(values) - known
         if unknown:
             raise ValueError(f"unknown energy-gate config keys {sorted(unknown)}; expected a subset of {sorted(known)}")
+        missing = sorted(known - set(values))
+        if missing:
+            logger.warning(
+                f"EnergyGateConfig: the loaded gate config has no value for {missing}; using the defaults. If the "
+                "gates were made with other values, the model's outputs will differ."
+            )
         return cls(**values)
 
     def save_pretrained(self, save_directory: str) -> str:
