@@ -17,6 +17,7 @@ imported with single-dot imports and takes ``from ...ops.x`` for a file named ``
 register its classes that way, their ``save_pretrained`` calls `save_model_code` instead.
 """
 
+import ast
 import json
 import os
 import re
@@ -31,9 +32,12 @@ _HEAD_SUFFIXES = {
     "AutoModelForSequenceClassification": ("ForSequenceClassification",),
 }
 
-# `from <dots><module> import` at the start of a line (also indented, inside functions or conditionals).
-_RELATIVE_IMPORT = re.compile(r"^(?P<head>[ \t]*from[ \t]+)(?P<dots>\.+)(?P<module>[\w.]*)(?P<tail>[ \t]+import\b)", re.M)
-_DOTTED_IMPORT = re.compile(r"^[ \t]*import[ \t]+\.", re.M)
+# The head of a relative import statement, `from <dots><module> import`, at the start of its line.
+_RELATIVE_IMPORT_HEAD = re.compile(r"^(?P<head>[ \t]*from[ \t]+)\.+[\w.]*(?P<tail>[ \t]+import\b)")
+# Inside the package, a file that imports the package by name could not run as remote code. (A copy loaded with
+# trust_remote_code lives in transformers' module cache and has nothing to check.)
+_PACKAGE = __name__.split(".")[0]
+_PACKAGE_CHECKED = _PACKAGE not in ("transformers_modules", __name__)
 
 CONFIG_FILE = "config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -90,7 +94,7 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
     files = _code_files(classes)  # {destination name: rewritten source text}, everything checked before writing
 
     written = []
-    for name, text in files.items():
+    for name, text in sorted(files.items()):
         destination = save_directory / name
         if destination.is_file() and destination.read_text(encoding="utf-8") == text:
             written.append(str(destination))  # e.g. already copied by transformers for remotely loaded code
@@ -178,10 +182,10 @@ def _model_classes(config, model_class) -> dict:
             raise RemoteCodeError(f"{module.__name__} defines several {auto_name} classes for {type(config).__name__}: {names}")
         if candidates:
             classes[auto_name] = candidates[0]
-    if model_class is not None and model_class not in classes.values():
+    if model_class is not None and not classes:
         raise RemoteCodeError(
-            f"{model_class.__name__} is not a class of {module.__name__} for {type(config).__name__} that an Auto "
-            f"class loads (expected one of {', '.join(AUTO_MODEL_CLASSES)} by its name and config_class)"
+            f"{module.__name__} defines no class for {type(config).__name__} that an Auto class loads (expected "
+            f"names ending in Model, ForCausalLM / LMHeadModel or ForSequenceClassification with that config_class)"
         )
     return classes
 
@@ -261,19 +265,42 @@ def resolve_relative_import(path, dots: int, module: str) -> Path:
 
 
 def flatten_imports(path) -> tuple[str, list[Path]]:
-    """The text of ``path`` with each relative import rewritten to a sibling import, and the files imported."""
+    """The text of ``path`` with each relative import rewritten to a sibling import, and the files imported.
+
+    Imports are found with the parser (an example in a docstring is left alone); the rewrite replaces only the
+    ``from <dots><module>`` head of the statement, so the file otherwise stays byte for byte as it is.
+    """
     path = Path(path)
     text = path.read_text(encoding="utf-8")
-    if _DOTTED_IMPORT.search(text):
-        raise RemoteCodeError(f"{path}: 'import .module' is not supported; use 'from .module import name'")
+    try:
+        tree = ast.parse(text, filename=str(path))
+    except SyntaxError as error:
+        raise RemoteCodeError(f"{path} is not valid Python: {error}") from error
+    relative = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            relative.append(node)
+        elif _PACKAGE_CHECKED and isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [alias.name for alias in node.names]
+            if any(name.split(".")[0] == _PACKAGE for name in names):
+                raise RemoteCodeError(
+                    f"{path}, line {node.lineno}: imports {_PACKAGE} by name, which a saved copy cannot do where "
+                    f"{_PACKAGE} is not installed (import relatively: 'from ...ops.x import name')"
+                )
+    lines = text.splitlines(keepends=True)
     imported = []
-
-    def rewrite(match):
-        target = resolve_relative_import(path, len(match["dots"]), match["module"])
+    for node in sorted(relative, key=lambda node: node.lineno):
+        module = node.module or ""
+        target = resolve_relative_import(path, node.level, module)
         imported.append(target)
-        return f"{match['head']}.{target.stem}{match['tail']}"
-
-    return _RELATIVE_IMPORT.sub(rewrite, text), imported
+        line = lines[node.lineno - 1]
+        lines[node.lineno - 1], count = _RELATIVE_IMPORT_HEAD.subn(rf"\g<head>.{target.stem}\g<tail>", line, count=1)
+        if count != 1:
+            raise RemoteCodeError(
+                f"{path}, line {node.lineno}: write the relative import as 'from {'.' * node.level}{module} import' "
+                "at the start of one line"
+            )
+    return "".join(lines), imported
 
 
 def _write_atomically(destination: Path, text: str) -> None:

@@ -8,136 +8,32 @@ wherever hf_spectral is imported; its weights keep the stock names, plus ``...at
 
 import json
 import os
-import tempfile
-from dataclasses import dataclass
+import uuid
 
-import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import initialization as init
 
-from ..models.ega_gpt.energy_gate import EnergyGate, MorletEnergy
 from .config import EnergyGateConfig
-from .layer import AttentionConfigView, EnergyGatedAttentionMixin, gated_attention_class, set_token_mask_hook
+from .layer import EnergyGatedAttentionMixin
+from .modeling_energy_gated import (  # noqa: F401  (family_of_class, init_energy_gates: used by the CLI and tests)
+    family_of,
+    family_of_class,
+    gated_config_class,
+    gated_model_class,
+    init_energy_gates,
+    supported_families,
+)
+from .modeling_energy_gated import attention_layers as _attention_layers
+from .modeling_energy_gated import decoder_of as _decoder_of
+from .modeling_energy_gated import inject_energy_gates as _inject
 
 GATES_FILE_METADATA_KEY = "hf_spectral_energy_gates"
 
 
-@dataclass(frozen=True)
-class Family:
-    """A model family the retrofit knows: where its attention layers are and how many key/value heads they have."""
-
-    model_type: str
-    config_class: type
-    attention_class: type
-    decoder_class: type  # owns the layers and receives the 2D attention mask
-    model_classes: dict  # Auto class name -> stock model class
-
-    def gate_heads(self, config) -> int:
-        # A gate acts on keys, so grouped-query models get one gate per key/value head.
-        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def _families() -> list[Family]:
-    from transformers.models.gpt2 import modeling_gpt2 as gpt2
-    from transformers.models.llama import modeling_llama as llama
-    from transformers.models.mistral import modeling_mistral as mistral
-    from transformers.models.qwen2 import modeling_qwen2 as qwen2
-
-    families = [
-        Family("gpt2", transformers.GPT2Config, gpt2.GPT2Attention, gpt2.GPT2Model, {
-            "AutoModel": gpt2.GPT2Model,
-            "AutoModelForCausalLM": gpt2.GPT2LMHeadModel,
-            "AutoModelForSequenceClassification": gpt2.GPT2ForSequenceClassification,
-        }),
-    ]
-    for name, module, prefix in (("llama", llama, "Llama"), ("mistral", mistral, "Mistral"), ("qwen2", qwen2, "Qwen2")):
-        families.append(Family(name, getattr(transformers, f"{prefix}Config"), getattr(module, f"{prefix}Attention"),
-                               getattr(module, f"{prefix}Model"), {
-            "AutoModel": getattr(module, f"{prefix}Model"),
-            "AutoModelForCausalLM": getattr(module, f"{prefix}ForCausalLM"),
-            "AutoModelForSequenceClassification": getattr(module, f"{prefix}ForSequenceClassification"),
-        }))
-    return families
-
-
-_FAMILIES: list[Family] | None = None
-
-
-def supported_families() -> list[Family]:
-    global _FAMILIES
-    if _FAMILIES is None:
-        _FAMILIES = _families()
-    return _FAMILIES
-
-
-def _supported_names() -> str:
-    return ", ".join(cls.__name__ for family in supported_families() for cls in family.model_classes.values())
-
-
-def family_of(model) -> Family:
-    for family in supported_families():
-        if isinstance(model, tuple(family.model_classes.values())):
-            return family
-    if hasattr(model, "get_base_model"):
-        raise ValueError("add energy gates to the model before wrapping it with PEFT (get_peft_model)")
-    raise ValueError(
-        f"energy gates cannot be added to {type(model).__name__}; supported: {_supported_names()} "
-        "(and models sharing the Llama attention: grouped-query attention is supported)"
-    )
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Energy-gated model types
+# Energy-gated model types (defined in modeling_energy_gated.py, the remote code of a retrofitted checkpoint)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-class EnergyGatedModelMixin:
-    """Mixed into a stock model class: rebuilds the gates recorded in ``config.energy_gates`` at construction, so
-    ``from_pretrained`` finds a parameter for every saved gate weight."""
-
-    def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        _inject(self, family_of(self), EnergyGateConfig.from_dict(config.energy_gates))
-
-    def initialize_weights(self):
-        # The stock `_init_weights` (run per sub-model) does not know the gate parameters: initialise them first
-        # and mark them done. Parameters loaded from a checkpoint are skipped by the `init` functions.
-        init_energy_gates(self)
-        super().initialize_weights()
-
-
-_GATED_CONFIGS: dict[type, type] = {}
-_GATED_MODELS: dict[type, type] = {}
-
-
-def gated_config_class(family: Family) -> type:
-    if family.config_class not in _GATED_CONFIGS:
-        _GATED_CONFIGS[family.config_class] = type(
-            f"EnergyGated{family.config_class.__name__}",
-            (family.config_class,),
-            {"model_type": f"energy_gated_{family.model_type}", "__module__": __name__},
-        )
-    return _GATED_CONFIGS[family.config_class]
-
-
-def gated_model_class(stock_class: type) -> type:
-    if stock_class not in _GATED_MODELS:
-        family = family_of_class(stock_class)
-        _GATED_MODELS[stock_class] = type(
-            f"EnergyGated{stock_class.__name__}",
-            (EnergyGatedModelMixin, stock_class),
-            {"config_class": gated_config_class(family), "stock_class": stock_class, "__module__": __name__},
-        )
-    return _GATED_MODELS[stock_class]
-
-
-def family_of_class(model_class: type) -> Family:
-    for family in supported_families():
-        if issubclass(model_class, tuple(family.model_classes.values())):
-            return family
-    raise ValueError(f"energy gates cannot be added to {model_class.__name__}; supported: {_supported_names()}")
 
 
 def register_energy_gated_models() -> None:
@@ -149,90 +45,12 @@ def register_energy_gated_models() -> None:
             getattr(transformers, auto_name).register(config_class, gated_model_class(stock_class), exist_ok=True)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Injection
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _decoder_of(model, family: Family):
-    return next(module for module in model.modules() if isinstance(module, family.decoder_class))
-
-
-def _attention_layers(decoder, family: Family) -> list:
-    layers = [
-        module
-        for module in decoder.modules()
-        if isinstance(module, family.attention_class) and not getattr(module, "is_cross_attention", False)
-    ]
-    return sorted(layers, key=lambda module: module.layer_idx)
-
-
 def gated_attention_modules(model) -> list:
     return [module for module in model.modules() if isinstance(module, EnergyGatedAttentionMixin)]
 
 
 def has_energy_gates(model) -> bool:
     return bool(gated_attention_modules(model))
-
-
-def _inject(model, family: Family, config: EnergyGateConfig) -> None:
-    if getattr(model.config, "add_cross_attention", False):
-        raise ValueError("energy gates are not supported on models with cross-attention (add_cross_attention=True)")
-    decoder = _decoder_of(model, family)
-    attentions = _attention_layers(decoder, family)
-    layers = config.layers if config.layers is not None else list(range(len(attentions)))
-    if max(layers) >= len(attentions):
-        raise ValueError(f"`layers` {config.layers} out of range: the model has {len(attentions)} attention layers")
-    num_heads = family.gate_heads(model.config)
-    if config.heads is not None and max(config.heads) >= num_heads:
-        raise ValueError(f"`heads` {config.heads} out of range: the model has {num_heads} key/value heads")
-
-    gated = []
-    for index in layers:
-        attention = attentions[index]
-        reference = next(attention.parameters())
-        gate = EnergyGate(
-            model.config.hidden_size,
-            num_heads,
-            kind=config.energy_kind,
-            projections=config.projections,
-            scales=config.scales,
-            normalization=config.normalization,
-            eps=config.eps,
-            tau_init=config.tau_init,
-            alpha_init=config.alpha_init,
-            morlet_learnable=config.morlet_learnable,
-        ).to(device=reference.device, dtype=reference.dtype)
-        attention.energy_gate = gate
-        attention.energy_gate_heads = None if config.heads is None else list(config.heads)
-        attention.energy_gate_token_mask = None
-        attention.__class__ = gated_attention_class(type(attention))
-        attention.config = AttentionConfigView(model.config)
-        gated.append(attention)
-    decoder._energy_gated_attentions = gated
-    decoder._energy_gate_hook = decoder.register_forward_pre_hook(set_token_mask_hook(), with_kwargs=True)
-
-
-@torch.no_grad()
-def init_energy_gates(model) -> None:
-    """Initialise every gate of ``model`` from its config: τ, α as configured, mixing logits 0, energy
-    projections N(0, initializer_range). Parameters already loaded from a checkpoint are left alone."""
-    values = getattr(model.config, "energy_gates", None) or {}
-    std = getattr(model.config, "initializer_range", 0.02)
-    for gate in [module for module in model.modules() if isinstance(module, EnergyGate)]:
-        init.constant_(gate.tau, values.get("tau_init", 0.0))
-        init.constant_(gate.alpha, values.get("alpha_init", 0.0))
-        init.zeros_(gate.mix_logits)
-        for module in gate.energy.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d)):
-                init.normal_(module.weight, mean=0.0, std=std)
-                init.zeros_(module.bias)
-            elif isinstance(module, MorletEnergy) and isinstance(module.omega, torch.nn.Parameter):
-                omega = torch.tensor([torch.pi / length for length in module.lengths]).repeat(module.num_heads, 1)
-                init.copy_(module.omega, omega)
-                init.copy_(module.sigma, 5.0 / omega)
-            module._is_hf_initialized = True
-        gate._is_hf_initialized = True
 
 
 def add_energy_gates(model, config: EnergyGateConfig | None = None):
@@ -323,8 +141,8 @@ def save_energy_gates(model, path: str) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     # Write next to the target, then rename: an interrupted save never leaves a truncated file behind.
-    handle, temporary = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    os.close(handle)
+    # (A fresh name, not tempfile.mkstemp: the file gets the umask's permissions, not mkstemp's private 0600.)
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
     try:
         save_file(tensors, temporary, metadata=metadata)
         os.replace(temporary, path)

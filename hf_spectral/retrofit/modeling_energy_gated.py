@@ -1,0 +1,249 @@
+"""Energy-gated model types: a stock transformers model (GPT-2, Llama, Mistral, Qwen2) with energy gates in its
+attention layers.
+
+``add_energy_gates`` turns a stock model into one of the classes below (``GPT2LMHeadModel`` ->
+``EnergyGatedGPT2LMHeadModel``, its config ``GPT2Config`` -> ``EnergyGatedGPT2Config``, model type
+``energy_gated_gpt2``). Each class is the stock class with `EnergyGatedModelMixin` in front: its constructor rebuilds
+the gates that ``config.energy_gates`` records, so ``from_pretrained`` finds a parameter for every saved gate weight.
+The weights keep the stock names, plus ``...attn.energy_gate.*``.
+
+This file is also the remote code of a retrofitted checkpoint: ``save_pretrained`` copies it with the files it
+imports (flattened to sibling imports by `save_model_code`) next to the weights and names its classes in
+``auto_map``, so that ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` loads the gated model
+where hf_spectral is not installed. It therefore imports only transformers, torch and files that can travel with it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import initialization as init
+from transformers.models.gpt2 import modeling_gpt2 as gpt2
+from transformers.models.llama import modeling_llama as llama
+from transformers.models.mistral import modeling_mistral as mistral
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+from ..ops.energy_gate import EnergyGate, MorletEnergy
+from ..ops.remote_code import save_model_code
+from .config import EnergyGateConfig
+from .layer import AttentionConfigView, gated_attention_class, set_token_mask_hook
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family the retrofit knows: where its attention layers are and how many key/value heads they have."""
+
+    model_type: str
+    config_class: type
+    attention_class: type
+    decoder_class: type  # owns the layers and receives the 2D attention mask
+    model_classes: dict  # Auto class name -> stock model class
+
+    def gate_heads(self, config) -> int:
+        # A gate acts on keys, so grouped-query models get one gate per key/value head.
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _family(model_type: str, config_class: type, module, prefix: str, causal_lm: str) -> Family:
+    return Family(
+        model_type,
+        config_class,
+        getattr(module, f"{prefix}Attention"),
+        getattr(module, f"{prefix}Model"),
+        {
+            "AutoModel": getattr(module, f"{prefix}Model"),
+            "AutoModelForCausalLM": getattr(module, causal_lm),
+            "AutoModelForSequenceClassification": getattr(module, f"{prefix}ForSequenceClassification"),
+        },
+    )
+
+
+FAMILIES = (
+    _family("gpt2", transformers.GPT2Config, gpt2, "GPT2", "GPT2LMHeadModel"),
+    _family("llama", transformers.LlamaConfig, llama, "Llama", "LlamaForCausalLM"),
+    _family("mistral", transformers.MistralConfig, mistral, "Mistral", "MistralForCausalLM"),
+    _family("qwen2", transformers.Qwen2Config, qwen2, "Qwen2", "Qwen2ForCausalLM"),
+)
+
+
+def supported_families() -> tuple[Family, ...]:
+    return FAMILIES
+
+
+def _supported_names() -> str:
+    return ", ".join(cls.__name__ for family in FAMILIES for cls in family.model_classes.values())
+
+
+def family_of_class(model_class: type) -> Family:
+    for family in FAMILIES:
+        if issubclass(model_class, tuple(family.model_classes.values())):
+            return family
+    raise ValueError(f"energy gates cannot be added to {model_class.__name__}; supported: {_supported_names()}")
+
+
+def family_of(model) -> Family:
+    for family in FAMILIES:
+        if isinstance(model, tuple(family.model_classes.values())):
+            return family
+    if hasattr(model, "get_base_model"):
+        raise ValueError("add energy gates to the model before wrapping it with PEFT (get_peft_model)")
+    raise ValueError(
+        f"energy gates cannot be added to {type(model).__name__}; supported: {_supported_names()} "
+        "(and models sharing the Llama attention: grouped-query attention is supported)"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Injection
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def decoder_of(model, family: Family):
+    return next(module for module in model.modules() if isinstance(module, family.decoder_class))
+
+
+def attention_layers(decoder, family: Family) -> list:
+    layers = [
+        module
+        for module in decoder.modules()
+        if isinstance(module, family.attention_class) and not getattr(module, "is_cross_attention", False)
+    ]
+    return sorted(layers, key=lambda module: module.layer_idx)
+
+
+def inject_energy_gates(model, family: Family, config: EnergyGateConfig) -> None:
+    """Give the attention layers ``config`` selects an ``energy_gate`` and the gated attention class."""
+    if getattr(model.config, "add_cross_attention", False):
+        raise ValueError("energy gates are not supported on models with cross-attention (add_cross_attention=True)")
+    decoder = decoder_of(model, family)
+    attentions = attention_layers(decoder, family)
+    layers = config.layers if config.layers is not None else list(range(len(attentions)))
+    if max(layers) >= len(attentions):
+        raise ValueError(f"`layers` {config.layers} out of range: the model has {len(attentions)} attention layers")
+    num_heads = family.gate_heads(model.config)
+    if config.heads is not None and max(config.heads) >= num_heads:
+        raise ValueError(f"`heads` {config.heads} out of range: the model has {num_heads} key/value heads")
+
+    gated = []
+    for index in layers:
+        attention = attentions[index]
+        reference = next(attention.parameters())
+        gate = EnergyGate(
+            model.config.hidden_size,
+            num_heads,
+            kind=config.energy_kind,
+            projections=config.projections,
+            scales=config.scales,
+            normalization=config.normalization,
+            eps=config.eps,
+            tau_init=config.tau_init,
+            alpha_init=config.alpha_init,
+            morlet_learnable=config.morlet_learnable,
+        ).to(device=reference.device, dtype=reference.dtype)
+        attention.energy_gate = gate
+        attention.energy_gate_heads = None if config.heads is None else list(config.heads)
+        attention.energy_gate_token_mask = None
+        attention.__class__ = gated_attention_class(type(attention))
+        attention.config = AttentionConfigView(model.config)
+        gated.append(attention)
+    decoder._energy_gated_attentions = gated
+    decoder._energy_gate_hook = decoder.register_forward_pre_hook(set_token_mask_hook(), with_kwargs=True)
+
+
+@torch.no_grad()
+def init_energy_gates(model) -> None:
+    """Initialise every gate of ``model`` from its config: τ, α as configured, mixing logits 0, energy
+    projections N(0, initializer_range). Parameters already loaded from a checkpoint are left alone."""
+    values = getattr(model.config, "energy_gates", None) or {}
+    std = getattr(model.config, "initializer_range", 0.02)
+    for gate in [module for module in model.modules() if isinstance(module, EnergyGate)]:
+        init.constant_(gate.tau, values.get("tau_init", 0.0))
+        init.constant_(gate.alpha, values.get("alpha_init", 0.0))
+        init.zeros_(gate.mix_logits)
+        for module in gate.energy.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d)):
+                init.normal_(module.weight, mean=0.0, std=std)
+                init.zeros_(module.bias)
+            elif isinstance(module, MorletEnergy) and isinstance(module.omega, torch.nn.Parameter):
+                omega = torch.tensor([torch.pi / length for length in module.lengths]).repeat(module.num_heads, 1)
+                init.copy_(module.omega, omega)
+                init.copy_(module.sigma, 5.0 / omega)
+            module._is_hf_initialized = True
+        gate._is_hf_initialized = True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model types
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class EnergyGatedModelMixin:
+    """Mixed into a stock model class: rebuilds the gates recorded in ``config.energy_gates`` at construction, so
+    ``from_pretrained`` finds a parameter for every saved gate weight; saves its code with the weights."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if not isinstance(getattr(config, "energy_gates", None), dict):
+            raise ValueError(
+                f"{type(self).__name__} needs `energy_gates` in its config (the gate configuration add_energy_gates "
+                "records); this config has none"
+            )
+        inject_energy_gates(self, family_of(self), EnergyGateConfig.from_dict(config.energy_gates))
+
+    def initialize_weights(self):
+        # The stock `_init_weights` (run per sub-model) does not know the gate parameters: initialise them first
+        # and mark them done. Parameters loaded from a checkpoint are skipped by the `init` functions.
+        init_energy_gates(self)
+        super().initialize_weights()
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        # The folder carries this file and what it imports, so it loads with trust_remote_code without hf_spectral.
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            save_model_code(self, save_directory)
+
+
+def _gated_config(family: Family) -> type:
+    return type(
+        f"EnergyGated{family.config_class.__name__}",
+        (family.config_class,),
+        {"model_type": f"energy_gated_{family.model_type}", "__module__": __name__},
+    )
+
+
+def _gated_model(stock_class: type, config_class: type) -> type:
+    return type(
+        f"EnergyGated{stock_class.__name__}",
+        (EnergyGatedModelMixin, stock_class),
+        {"config_class": config_class, "stock_class": stock_class, "__module__": __name__},
+    )
+
+
+# One config class and three model classes per family, defined here by name, so that ``auto_map`` entries such as
+# "modeling_energy_gated.EnergyGatedGPT2LMHeadModel" find them:
+#   EnergyGatedGPT2Config,    EnergyGatedGPT2Model,    EnergyGatedGPT2LMHeadModel,    EnergyGatedGPT2ForSequenceClassification
+#   EnergyGatedLlamaConfig,   EnergyGatedLlamaModel,   EnergyGatedLlamaForCausalLM,   EnergyGatedLlamaForSequenceClassification
+#   EnergyGatedMistralConfig, EnergyGatedMistralModel, EnergyGatedMistralForCausalLM, EnergyGatedMistralForSequenceClassification
+#   EnergyGatedQwen2Config,   EnergyGatedQwen2Model,   EnergyGatedQwen2ForCausalLM,   EnergyGatedQwen2ForSequenceClassification
+_GATED_CONFIGS: dict[type, type] = {}
+_GATED_MODELS: dict[type, type] = {}
+for _family_entry in FAMILIES:
+    _config_class = _GATED_CONFIGS[_family_entry.config_class] = _gated_config(_family_entry)
+    globals()[_config_class.__name__] = _config_class
+    for _stock_class in _family_entry.model_classes.values():
+        _model_class = _GATED_MODELS[_stock_class] = _gated_model(_stock_class, _config_class)
+        globals()[_model_class.__name__] = _model_class
+del _family_entry, _config_class, _stock_class, _model_class
+
+
+def gated_config_class(family: Family) -> type:
+    """``EnergyGated<StockConfig>`` of ``family``."""
+    return _GATED_CONFIGS[family.config_class]
+
+
+def gated_model_class(stock_class: type) -> type:
+    """``EnergyGated<StockModel>``: the class defined above for a stock class, built (and cached) for a subclass."""
+    if stock_class not in _GATED_MODELS:
+        family = family_of_class(stock_class)
+        _GATED_MODELS[stock_class] = _gated_model(stock_class, gated_config_class(family))
+    return _GATED_MODELS[stock_class]
