@@ -29,24 +29,13 @@ import os
 import sys
 from dataclasses import dataclass
 
-import torch
-
+# Light imports only at module level: options are parsed (and --help answered) before torch, transformers,
+# datasets or accelerate are imported; the functions that train import what they need.
 from . import ptb_char, tinyshakespeare
 from .common.data import TextCorpus, build_lm_data, encode_text, fixed_subset, load_corpus_texts, word_tokenizer
+from .common.exit_codes import EXIT_INTERRUPTED
 from .common.lm_experiment import tau_summary
 from .common.presets import LMPreset, world_size
-from .common.runs import (
-    EXIT_INTERRUPTED,
-    barrier,
-    build_trainer,
-    final_losses,
-    hub_repo_id,
-    is_main_process,
-    read_summary,
-    train_or_resume,
-    write_json,
-)
-from .common.trainer import GATE_SCALAR_PARAMETERS, remove_checkpoints
 from .results import current_command, hardware_summary, write_results
 
 WIKITEXT2 = TextCorpus(
@@ -245,6 +234,10 @@ def make_optimizer(model, preset: RetrofitPreset, arm: str):
     """AdamW with one learning rate per kind of parameter: the gates (``lr_gates``), LoRA adapters (``lr_lora``)
     and pretrained weights (``lr_full``). Weight decay only on matrices and embeddings, never on gate scalars
     (τ, α, mixing logits), as in the EGA-GPT recipes."""
+    import torch
+
+    from .common.trainer import GATE_SCALAR_PARAMETERS
+
     groups = {}
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
@@ -281,6 +274,10 @@ def pretrain(args, preset, data, tokenizer):
     """Phase 1 (once per pretraining seed): a GPT-2 trained from scratch on the pretraining corpus."""
     from transformers import set_seed
 
+    from .common.runs import barrier, build_trainer, final_losses, is_main_process, read_summary
+    from .common.runs import train_or_resume, write_json
+    from .common.trainer import remove_checkpoints
+
     run_dir = os.path.join(args.output_dir, f"pretrained-seed{args.pretrain_seed}")
     done = read_summary(run_dir)
     if done is not None:
@@ -315,6 +312,10 @@ def pretrain(args, preset, data, tokenizer):
 
 def finetune_arm(arm, seed, pretrained_dir, args, preset, data, tokenizer, runs):
     from transformers import set_seed
+
+    from .common.runs import barrier, build_trainer, final_losses, hub_repo_id, is_main_process, read_summary
+    from .common.runs import train_or_resume, write_json
+    from .common.trainer import remove_checkpoints
 
     run_name = f"{arm.replace('+', '_')}-seed{seed}"
     run_dir = os.path.join(args.output_dir, run_name)
@@ -569,6 +570,11 @@ def main(argv=None) -> int:
             parser.error(f"--{name} must be positive")
     if args.pretrain_corpus == args.finetune_corpus:
         print(f"note: pretraining and fine-tuning on the same corpus ({args.pretrain_corpus})", flush=True)
+
+    import torch
+
+    from .common.runs import is_main_process
+
     if args.threads:
         torch.set_num_threads(args.threads)
     args.output_dir = args.output_dir or os.path.join("runs", f"retrofit_gpt2-{preset_name}")

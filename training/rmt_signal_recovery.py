@@ -30,9 +30,24 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from hf_spectral import rmt  # noqa: E402
-from hf_spectral.rmt import plots  # noqa: E402
 from .results import write_results  # noqa: E402
+
+
+class _ImportedOnFirstUse:
+    """A module imported when one of its attributes is first read: ``import hf_spectral`` loads torch and
+    transformers, which ``--help`` and a mistyped option should not wait for."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attribute):
+        import importlib
+
+        return getattr(importlib.import_module(self._name), attribute)
+
+
+rmt = _ImportedOnFirstUse("hf_spectral.rmt")
+plots = _ImportedOnFirstUse("hf_spectral.rmt.plots")
 
 PRESETS = {
     "full": {

@@ -3,8 +3,10 @@
 import argparse
 import os
 import shutil
-import tempfile
+import sys
+import uuid
 
+from ..file_permissions import apply_umask
 from .config import EnergyGateConfig
 
 
@@ -35,43 +37,68 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(message: str) -> int:
+    """One line on stderr and exit status 2 (argparse's status for bad usage): bad input is not a crash."""
+    print(f"hf-spectral retrofit: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if not os.path.isfile(os.path.join(args.src, "config.json")):
+        return _fail(f"{args.src} is not a checkpoint folder (no config.json)")
+    if os.path.exists(args.dst) and not args.overwrite:
+        return _fail(f"{args.dst} exists; pass --overwrite to replace it")
+    try:
+        gate_config = EnergyGateConfig(
+            normalization=args.normalization, energy_kind=args.energy_kind, projections=args.projections,
+            scales=args.scales, layers=args.layers, heads=args.heads, tau_init=args.tau_init,
+            alpha_init=args.alpha_init,
+        )
+    except ValueError as error:
+        return _fail(str(error))
+
     from transformers import AutoConfig, AutoTokenizer
 
     import transformers
 
     from .model import add_energy_gates, family_of_class
 
-    if not os.path.isfile(os.path.join(args.src, "config.json")):
-        raise SystemExit(f"error: {args.src} is not a checkpoint folder (no config.json)")
-    if os.path.exists(args.dst) and not args.overwrite:
-        raise SystemExit(f"error: {args.dst} exists; pass --overwrite to replace it")
-    gate_config = EnergyGateConfig(
-        normalization=args.normalization, energy_kind=args.energy_kind, projections=args.projections,
-        scales=args.scales, layers=args.layers, heads=args.heads, tau_init=args.tau_init, alpha_init=args.alpha_init,
-    )
-    config = AutoConfig.from_pretrained(args.src)
+    try:
+        config = AutoConfig.from_pretrained(args.src)
+    except (OSError, ValueError) as error:
+        return _fail(f"cannot read {os.path.join(args.src, 'config.json')}: {error}")
     architecture = (config.architectures or [None])[0]
     model_class = getattr(transformers, architecture, None) if architecture else None
     if model_class is None:
-        raise SystemExit(f"error: cannot tell the model class of {args.src} (config.architectures={config.architectures})")
+        return _fail(f"cannot tell the model class of {args.src} (config.architectures={config.architectures})")
     try:
         family_of_class(model_class)
     except ValueError as error:
-        raise SystemExit(f"error: {error}") from error
-    model = add_energy_gates(model_class.from_pretrained(args.src), gate_config)
+        return _fail(str(error))
+    try:
+        model = model_class.from_pretrained(args.src)
+    except (OSError, ValueError, RuntimeError) as error:
+        return _fail(f"cannot load the weights of {args.src}: {error}")
+    try:
+        # Checks the layer and head indices against this model; needs PyWavelets for db2/db4 energies.
+        model = add_energy_gates(model, gate_config)
+    except (ValueError, ImportError) as error:
+        return _fail(str(error))
 
-    # Build the copy next to DST and move it into place at the end: no half-written folder on failure.
+    # Build the copy next to DST and move it into place at the end: no half-written folder on failure. DST gets
+    # the permissions of any folder the user creates (the umask's), not mkdtemp's or safetensors' private ones.
     parent = os.path.dirname(os.path.abspath(args.dst))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".retrofit-", dir=parent)
+    staging = os.path.join(parent, f".retrofit-{uuid.uuid4().hex}")
+    os.mkdir(staging)
     try:
         model.save_pretrained(staging)
         try:
             AutoTokenizer.from_pretrained(args.src).save_pretrained(staging)
         except (OSError, ValueError, TypeError):
             pass  # a checkpoint without tokenizer files stays without them
+        apply_umask(staging)  # safetensors writes its files as 0600
         if os.path.exists(args.dst):
             shutil.rmtree(args.dst)
         os.replace(staging, args.dst)

@@ -14,6 +14,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..file_permissions import apply_umask
 from .config import EnergyGateConfig
 from .layer import EnergyGatedAttentionMixin
 from .modeling_energy_gated import (  # noqa: F401  (family_of_class, init_energy_gates: used by the CLI and tests)
@@ -141,10 +142,10 @@ def save_energy_gates(model, path: str) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     # Write next to the target, then rename: an interrupted save never leaves a truncated file behind.
-    # (A fresh name, not tempfile.mkstemp: the file gets the umask's permissions, not mkstemp's private 0600.)
     temporary = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
     try:
         save_file(tensors, temporary, metadata=metadata)
+        apply_umask(temporary)  # safetensors writes 0600; a gates file is as readable as any other file
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):

@@ -12,16 +12,20 @@ first use so that ``import hf_spectral.rmt`` stays light:
 * ``models``: effective pooling weights of a model's attention, R̂ from data, ``fit_rmt_pooling``.
 """
 
-from .downstream import *  # noqa: F401,F403
-from .downstream import __all__ as _downstream_all
-from .generative import *  # noqa: F401,F403
-from .generative import __all__ as _generative_all
-from .pooling import *  # noqa: F401,F403
-from .pooling import __all__ as _pooling_all
-from .simulation import *  # noqa: F401,F403
-from .simulation import __all__ as _simulation_all
-from .theory import *  # noqa: F401,F403
-from .theory import __all__ as _theory_all
+from ..dependencies import require
+
+require("scipy", extra="rmt", feature="hf_spectral.rmt")  # a clear error before the modules below import it
+
+from .downstream import *  # noqa: E402,F401,F403
+from .downstream import __all__ as _downstream_all  # noqa: E402
+from .generative import *  # noqa: E402,F401,F403
+from .generative import __all__ as _generative_all  # noqa: E402
+from .pooling import *  # noqa: E402,F401,F403
+from .pooling import __all__ as _pooling_all  # noqa: E402
+from .simulation import *  # noqa: E402,F401,F403
+from .simulation import __all__ as _simulation_all  # noqa: E402
+from .theory import *  # noqa: E402,F401,F403
+from .theory import __all__ as _theory_all  # noqa: E402
 
 _MODEL_TOOLS = (
     "AttentionPoolingWeights",

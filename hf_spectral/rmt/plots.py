@@ -7,9 +7,13 @@ returns the figure and saves it when ``path`` is given.
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.figure import Figure
 
-from . import theory
+from ..dependencies import require
+
+require("matplotlib", extra="rmt", feature="hf_spectral.rmt.plots")
+from matplotlib.figure import Figure  # noqa: E402
+
+from . import theory  # noqa: E402
 
 __all__ = ["plot_spectrum", "plot_overlap_sweep", "plot_accuracy", "plot_pooling_weights"]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,9 +79,10 @@ def download_file(url: str, destination: str, sha256: str | None = None, timeout
     """Download ``url`` to ``destination`` (via a temporary file, so a broken transfer leaves nothing behind)
     and check its SHA-256. Raises ``CorpusNotFoundError`` when the network is unreachable."""
     os.makedirs(os.path.dirname(os.path.abspath(destination)), exist_ok=True)
-    handle, tmp_path = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(destination)), suffix=".part")
+    # A fresh name opened exclusively rather than tempfile.mkstemp, whose 0600 would make the cached corpus private.
+    tmp_path = f"{os.path.abspath(destination)}.{uuid.uuid4().hex}.part"
     try:
-        with os.fdopen(handle, "wb") as out:
+        with open(tmp_path, "xb") as out:
             try:
                 with urllib.request.urlopen(url, timeout=timeout) as response:
                     shutil.copyfileobj(response, out)

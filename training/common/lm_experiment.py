@@ -18,24 +18,13 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-import torch
-
+# Light imports only at module level: a recipe parses its options (and answers --help) before torch,
+# transformers, datasets or accelerate are imported; the functions that need them import them.
 from ..results import current_command, hardware_summary, write_results
-from .callbacks import gate_parameters
 from .data import LMData, fixed_subset
+from .exit_codes import EXIT_INTERRUPTED
 from .presets import LMPreset, world_size
-from .runs import (
-    EXIT_INTERRUPTED,
-    barrier,
-    build_trainer,
-    final_losses,
-    hub_repo_id,
-    is_main_process,
-    read_summary,
-    train_or_resume,
-    write_json,
-)
-from .trainer import remove_checkpoints
+
 NORMALIZATIONS = ("causal", "window", "none")
 
 
@@ -224,6 +213,8 @@ def build_model(spec: RunSpec, preset: LMPreset, vocab_size: int, attn_implement
 
 
 def batches_of(dataset, batch_size: int, limit: int | None):
+    import torch
+
     count = len(dataset) if limit is None else min(len(dataset), limit * batch_size)
     for start in range(0, count, batch_size):
         yield torch.as_tensor(dataset[start : min(start + batch_size, count)]["input_ids"], dtype=torch.long)
@@ -246,6 +237,8 @@ def leak_free_evaluation(model, dataset, batch_size: int, limit: int | None) -> 
 def gate_statistics(model, dataset, tokenizer, blocks: int = 16) -> dict:
     """Mean gate value per character over some validation blocks (mean over layers and heads): which
     characters the gates keep (high g) and which they suppress (low g)."""
+    import torch
+
     from .plots import gate_values_per_token
 
     sums, counts = {}, {}
@@ -266,6 +259,10 @@ def gate_statistics(model, dataset, tokenizer, blocks: int = 16) -> dict:
 
 
 def tau_summary(model) -> dict | None:
+    import torch
+
+    from .callbacks import gate_parameters
+
     gates = gate_parameters(model)
     if not gates:
         return None
@@ -281,6 +278,18 @@ def tau_summary(model) -> dict | None:
 def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmark, args, output_dir: str, runs: int):
     """Train (or resume, or skip if complete) one run; return its summary, or None if it was interrupted."""
     from transformers import set_seed
+
+    from .runs import (
+        barrier,
+        build_trainer,
+        final_losses,
+        hub_repo_id,
+        is_main_process,
+        read_summary,
+        train_or_resume,
+        write_json,
+    )
+    from .trainer import remove_checkpoints
 
     run_dir = os.path.join(output_dir, spec.name)
     if args.restart and is_main_process() and os.path.isdir(run_dir):
@@ -551,6 +560,11 @@ def run_recipe(argv, *, benchmark: Benchmark, corpus, presets: dict, default_pre
     args = parser.parse_args(argv)
     preset_name, preset = resolve_preset(args, presets)
     specs = run_specs(args, preset)
+
+    import torch
+
+    from .runs import is_main_process
+
     if args.threads:
         torch.set_num_threads(args.threads)
     output_dir = args.output_dir or os.path.join("runs", f"{benchmark.recipe}-{preset_name}")

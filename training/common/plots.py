@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-import matplotlib
+from hf_spectral.dependencies import require
 
+matplotlib = require("matplotlib", extra="train", feature="the recipes' figures")
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402

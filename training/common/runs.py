@@ -14,10 +14,10 @@ import torch
 
 from .callbacks import GateTrajectoryCallback, GracefulInterruptCallback, StopAfterStepsCallback
 from .data import fixed_subset
+from .exit_codes import EXIT_INTERRUPTED  # noqa: F401  (the recipes' status after a checkpointed stop)
 from .presets import LMPreset, training_arguments
 from .trainer import RecipeTrainer, collate_blocks, last_complete_checkpoint, lm_compute_metrics, load_metric, token_nll
 
-EXIT_INTERRUPTED = 3  # exit status of a recipe that stopped with a checkpoint (signal or --stop_after_steps)
 TRAIN_EVAL_BLOCKS = 1000  # training blocks scored in evaluation mode for the generalisation gap (at most)
 
 

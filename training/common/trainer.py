@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
+from hf_spectral.file_permissions import apply_umask
+
 METRICS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metrics")
 GATE_SCALAR_PARAMETERS = re.compile(r"energy_gate\..*(tau|alpha|mix_logits|omega|sigma)$")
 
@@ -103,6 +105,12 @@ class RecipeTrainer(Trainer):
     def __init__(self, *args, model_card_fn=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.model_card_fn = model_card_fn
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        folder = output_dir or self.args.output_dir
+        if self.args.should_save and os.path.isdir(folder):
+            apply_umask(folder)  # safetensors writes model files as 0600; a run's models are ordinary files
 
     def get_decay_parameter_names(self, model) -> list:
         return [name for name in super().get_decay_parameter_names(model) if not GATE_SCALAR_PARAMETERS.search(name)]

@@ -1,0 +1,150 @@
+"""The ``hf-spectral`` command line and the recipes' own entry points: version, recipe lookup, errors, options
+parsed before the heavy libraries load, and files written with ordinary permissions."""
+
+import importlib.metadata
+import json
+import os
+import pathlib
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import hf_spectral
+from hf_spectral.cli import RECIPES, main
+from hf_spectral.retrofit.cli import main as retrofit_main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "datasets", "evaluate", "accelerate", "matplotlib", "hf_spectral")
+
+
+def test_version_is_the_installed_distributions(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"hf-spectral {hf_spectral.__version__}\n"
+    assert hf_spectral.__version__ == importlib.metadata.version("hf_spectral")
+
+
+def test_help_lists_every_recipe(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert all(f"  {name} " in text for name in RECIPES)
+
+
+def test_every_listed_recipe_is_a_module_of_the_package_and_every_recipe_module_is_listed():
+    import hf_spectral.recipes
+
+    folder = pathlib.Path(hf_spectral.recipes.__file__).parent
+    assert folder.resolve() == (ROOT / "training").resolve()
+    missing = [name for name in RECIPES if not (folder / f"{name}.py").is_file()]
+    assert not missing, f"recipes listed in hf_spectral/cli.py without a module in training/: {missing}"
+    # A recipe is a module with a `main(argv)` entry point; helpers (results, *_data generators) are not listed.
+    entry_points = {path.stem for path in folder.glob("*.py")
+                    if "\ndef main(" in path.read_text() and not path.stem.endswith("_data")}
+    assert entry_points <= set(RECIPES), f"recipe modules not listed in hf_spectral/cli.py: {entry_points - set(RECIPES)}"
+
+
+def test_unknown_command_and_recipe_are_one_line_errors(capsys):
+    assert main(["train", "shakespeare"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown recipe 'shakespeare'" in err and "tinyshakespeare" in err
+    assert main(["fly"]) == 2
+    assert "unknown command 'fly'" in capsys.readouterr().err
+    assert main(["train"]) == 2
+
+
+def test_train_runs_the_recipe_of_the_package(capsys):
+    """`hf-spectral train reproduce_ega` reaches the recipe, which plans its runs as modules of the package it was
+    loaded from (hf_spectral.recipes here, as from an installed wheel)."""
+    assert main(["train", "reproduce_ega", "--smoke", "--dry_run", "--benchmarks", "tinyshakespeare",
+                 "--output_dir", "/nonexistent"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3  # BASE, EGA-1 causal, EGA-1 window; seed 0
+    assert all("-m hf_spectral.recipes.tinyshakespeare --preset smoke" in line and "--seeds 0" in line for line in lines)
+
+
+@pytest.mark.parametrize("recipe", [name for name in RECIPES if (ROOT / "training" / f"{name}.py").is_file()])
+def test_recipe_help_parses_before_importing_torch_transformers_or_datasets(recipe):
+    """`python -m training.<recipe> --help` answers without loading torch, transformers, datasets, evaluate,
+    accelerate, matplotlib or hf_spectral (which loads torch): seconds saved on every mistyped option."""
+    script = (
+        "import runpy, sys\n"
+        f"sys.argv = ['{recipe}', '--help']\n"
+        "try:\n"
+        f"    runpy.run_module('training.{recipe}', run_name='__main__')\n"
+        "except SystemExit as stop:\n"
+        "    assert stop.code in (0, None), stop.code\n"
+        f"print('LOADED', [name for name in {HEAVY!r} if name in sys.modules])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage:" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "LOADED []"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# hf-spectral retrofit
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_gpt2(tmp_path):
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0,
+                        eos_token_id=0, pad_token_id=0)
+    path = tmp_path / "gpt2"
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--layers", "5"], "`layers` [5] out of range: the model has 2 attention layers"),
+        (["--heads", "4"], "`heads` [4] out of range: the model has 4 key/value heads"),
+        (["--energy-kind", "linear", "--scales", "3"], "scales"),
+        (["--projections", "0"], "`projections`"),
+    ],
+)
+def test_retrofit_bad_options_are_one_line_errors_with_status_2(tiny_gpt2, tmp_path, capsys, options, message):
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst")] + options) == 2
+    # (transformers' weight-loading progress bar may come first)
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("hf-spectral retrofit: error: "), errors
+    assert message in errors[0]
+    assert not (tmp_path / "dst").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".retrofit-")]  # no staging folder left
+
+
+def test_retrofit_layer_out_of_range_through_the_console_command(tiny_gpt2, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "hf_spectral.cli", "retrofit", str(tiny_gpt2), str(tmp_path / "dst"),
+                             "--layers", "5"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "hf-spectral retrofit: error: `layers` [5] out of range: the model has 2 attention layers")
+
+
+def _modes(folder: pathlib.Path) -> dict:
+    return {str(path.relative_to(folder)): stat.S_IMODE(path.stat().st_mode)
+            for path in [folder, *folder.rglob("*")]}
+
+
+def test_retrofit_and_gate_files_have_the_umasks_permissions(tiny_gpt2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_spectral.retrofit import save_energy_gates
+
+    previous = os.umask(0o022)
+    try:
+        assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst"), "--layers", "0"]) == 0
+        gates = save_energy_gates(AutoModelForCausalLM.from_pretrained(tmp_path / "dst"), str(tmp_path / "g" / "gates.safetensors"))
+    finally:
+        os.umask(previous)
+    modes = _modes(tmp_path / "dst")
+    assert modes["."] == 0o755 and "config.json" in modes and "model.safetensors" in modes
+    assert all(mode == 0o755 if (tmp_path / "dst" / name).is_dir() else mode == 0o644 for name, mode in modes.items()), modes
+    assert stat.S_IMODE(os.stat(gates).st_mode) == 0o644
+    assert json.loads((tmp_path / "dst" / "config.json").read_text())["energy_gates"]["layers"] == [0]
