@@ -52,3 +52,7 @@ def register_auto_classes() -> None:
     from .retrofit import register_energy_gated_models
 
     register_energy_gated_models()
+
+    from .peft_integration import register_peft_integration
+
+    register_peft_integration()  # default LoRA targets, adapters that keep their energy gates (when PEFT is installed)

@@ -1,0 +1,193 @@
+"""PEFT: default LoRA targets for the hf_spectral models, and adapters of gated models that cannot lose their gates."""
+
+import warnings
+
+import pytest
+import torch
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+import hf_spectral  # noqa: F401  (registers the PEFT integration)
+from hf_spectral import ChiarConfig, ChiarForCausalLM, EGAConfig, EGAForCausalLM
+from hf_spectral.peft_integration import GATE_CONFIG_NAME, load_gated_adapter
+from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates, has_energy_gates
+
+VOCAB = 50
+
+
+def batch(length=10, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (3, length), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def logits(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits * mask[..., None]
+
+
+def train_steps(model, steps=3):
+    ids, mask = batch()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def ega_model():
+    torch.manual_seed(0)
+    return EGAForCausalLM(EGAConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    max_position_embeddings=32, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0))
+
+
+def chiar_model():
+    torch.manual_seed(0)
+    return ChiarForCausalLM(ChiarConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        max_position_embeddings=32, hidden_dropout=0.0,
+                                        layer_operators=["routed", "attention"], routed_operators=["dct", "rbf", "attention"]))
+
+
+def gpt2_checkpoint(path):
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)).save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Default target modules
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build, expected", [
+    (ega_model, {"attn.c_attn"}),
+    (chiar_model, {"attention.q_proj", "attention.kv_proj", "rbf.v_proj"}),
+], ids=["ega_gpt", "chiar_former"])
+def test_lora_without_target_modules_adapts_the_attention_projections(build, expected):
+    model = build().eval()
+    ids, mask = batch()
+    before = logits(model, ids, mask)
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4))
+    adapted = {name.split("model.", 2)[-1] for name, module in peft_model.named_modules() if hasattr(module, "lora_A")}
+    suffixes = {".".join(name.split(".")[-2:]) for name in adapted}
+    assert suffixes == expected
+    # every attention layer is adapted, nothing else
+    attention_layers = {name for name, _ in model.named_modules() if name.endswith((".attn", ".attention"))}
+    assert all(any(name.startswith(layer + ".") for name in adapted) for layer in attention_layers)
+    peft_model.eval()
+    torch.testing.assert_close(logits(peft_model, ids, mask), before, atol=1e-6, rtol=0)  # LoRA starts at zero
+    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+
+
+def test_a_retrofitted_model_gets_the_stock_family_targets(tmp_path):
+    model = add_energy_gates(AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")))
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4))
+    assert {name.rsplit(".", 1)[-1] for name, m in peft_model.named_modules() if hasattr(m, "lora_A")} == {"c_attn"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Adapters of gated models
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def trained_gated_adapter(tmp_path, gate_config=None, modules_to_save=("energy_gate",)):
+    """A GPT-2 checkpoint, gates added, LoRA + gates trained and saved as an adapter; returns (base, adapter, logits)."""
+    base_path = gpt2_checkpoint(tmp_path / "base")
+    gate_config = gate_config or EnergyGateConfig(alpha_init=0.5, layers=[1])
+    model = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path), gate_config)
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4, modules_to_save=list(modules_to_save)))
+    train_steps(peft_model)
+    ids, mask = batch()
+    expected = logits(peft_model, ids, mask)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    return base_path, tmp_path / "adapter", expected
+
+
+def test_saving_a_gated_adapter_records_the_gate_config(tmp_path):
+    _, adapter, _ = trained_gated_adapter(tmp_path)
+    assert EnergyGateConfig.from_pretrained(adapter) == EnergyGateConfig(alpha_init=0.5, layers=[1])
+
+
+def test_plain_peft_loading_onto_a_model_without_gates_restores_them(tmp_path):
+    base_path, adapter, expected = trained_gated_adapter(tmp_path)
+    ids, mask = batch()
+    fresh = AutoModelForCausalLM.from_pretrained(base_path)
+    assert not has_energy_gates(fresh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "missing adapter keys"
+        restored = PeftModel.from_pretrained(fresh, adapter).eval()
+    assert has_energy_gates(restored.get_base_model())
+    torch.testing.assert_close(logits(restored, ids, mask), expected, atol=1e-6, rtol=0)
+    # the trained gates matter: the same LoRA on fresh gates gives other logits
+    untrained = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path),
+                                 EnergyGateConfig(alpha_init=0.5, layers=[1])).eval()
+    assert (logits(untrained, ids, mask) - expected).abs().max() > 1e-4
+
+    auto = AutoPeftModelForCausalLM.from_pretrained(adapter).eval()  # base loaded from base_model_name_or_path
+    torch.testing.assert_close(logits(auto, ids, mask), expected, atol=1e-6, rtol=0)
+    explicit = load_gated_adapter(AutoModelForCausalLM.from_pretrained(base_path), adapter).eval()
+    torch.testing.assert_close(logits(explicit, ids, mask), expected, atol=1e-6, rtol=0)
+
+
+def test_transformers_load_adapter_restores_the_gates_too(tmp_path):
+    base_path, adapter, expected = trained_gated_adapter(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(base_path)
+    model.load_adapter(str(adapter))
+    model.eval()
+    ids, mask = batch()
+    assert has_energy_gates(model)
+    torch.testing.assert_close(logits(model, ids, mask), expected, atol=1e-6, rtol=0)
+
+
+def test_gate_weights_are_never_dropped_silently(tmp_path):
+    base_path, adapter, _ = trained_gated_adapter(tmp_path)
+    (adapter / GATE_CONFIG_NAME).unlink()  # an adapter saved elsewhere, without the gate configuration
+    with pytest.raises(ValueError, match="holds trained energy-gate weights.*would be dropped"):
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter)
+    with pytest.raises(ValueError, match="holds trained energy-gate weights"):
+        AutoModelForCausalLM.from_pretrained(base_path).load_adapter(str(adapter))
+    # ... and once the gates are added by hand, it loads
+    model = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path), EnergyGateConfig(alpha_init=0.5, layers=[1]))
+    PeftModel.from_pretrained(model, adapter)
+
+
+def test_differently_configured_gates_are_refused(tmp_path):
+    base_path, adapter, _ = trained_gated_adapter(tmp_path)
+    model = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path), EnergyGateConfig(layers=[0]))
+    with pytest.raises(ValueError, match="configured as"):
+        PeftModel.from_pretrained(model, adapter)
+
+
+def test_gates_that_live_in_the_base_checkpoint_are_not_silently_missing(tmp_path):
+    base_path, adapter, _ = trained_gated_adapter(tmp_path, modules_to_save=())  # gates frozen in the base model
+    with pytest.raises(ValueError, match="does not contain them: they are part of the base checkpoint"):
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter)
+
+
+def test_a_further_adapter_needs_the_gates_in_the_peft_model(tmp_path):
+    base_path, adapter, _ = trained_gated_adapter(tmp_path)
+    plain = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path), LoraConfig(task_type="CAUSAL_LM", r=4))
+    with pytest.raises(ValueError, match="add them before wrapping the model with PEFT"):
+        plain.load_adapter(adapter, adapter_name="gated")
+
+
+def test_adapters_of_ungated_models_and_of_ega_gpt_load_as_before(tmp_path):
+    base_path = gpt2_checkpoint(tmp_path / "base")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path), LoraConfig(task_type="CAUSAL_LM", r=4))
+    peft_model.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / GATE_CONFIG_NAME).exists()
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), tmp_path / "plain")
+
+    # EGA-GPT's gates are part of the architecture: they train through modules_to_save and load like any module
+    ega = get_peft_model(ega_model(), LoraConfig(task_type="CAUSAL_LM", r=4, modules_to_save=["energy_gate"]))
+    train_steps(ega)
+    ids, mask = batch()
+    expected = logits(ega, ids, mask)
+    ega.save_pretrained(tmp_path / "ega")
+    assert not (tmp_path / "ega" / GATE_CONFIG_NAME).exists()
+    restored = PeftModel.from_pretrained(ega_model(), tmp_path / "ega").eval()
+    torch.testing.assert_close(logits(restored, ids, mask), expected, atol=1e-6, rtol=0)
