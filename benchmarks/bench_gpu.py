@@ -61,8 +61,8 @@ REFERENCE_TARGETS = {"train": 0.95, "forward": 0.95, "generate": 0.95, "chiar_fo
 def ega_sizes(tiny: bool) -> list[dict]:
     if tiny:
         return [
-            dict(label="2x64", layers=2, hidden=64, heads=4, vocab=65, length=64, train_batch=2, forward_batch=2),
-            dict(label="2x96", layers=2, hidden=96, heads=4, vocab=97, length=64, train_batch=2, forward_batch=2),
+            dict(label="2x64", layers=2, hidden=64, heads=4, vocab=65, length=32, train_batch=2, forward_batch=2),
+            dict(label="2x96", layers=2, hidden=96, heads=4, vocab=97, length=32, train_batch=2, forward_batch=2),
         ]
     return [
         # The target size first: if the budget runs short it is the other size that loses rounds.
@@ -73,13 +73,13 @@ def ega_sizes(tiny: bool) -> list[dict]:
 
 def generation_settings(tiny: bool) -> list[dict]:
     if tiny:
-        return [dict(batch=1, prompt=16, new_tokens=6), dict(batch=4, prompt=16, new_tokens=6)]
+        return [dict(batch=2, prompt=8, new_tokens=4)]
     return [dict(batch=1, prompt=128, new_tokens=64), dict(batch=32, prompt=128, new_tokens=64)]
 
 
 def chiar_settings(tiny: bool, args) -> dict:
     if tiny:
-        return dict(hidden=64, heads=4, vocab=65, lengths=[(128, 2), (256, 1)])
+        return dict(hidden=64, heads=4, vocab=65, lengths=[(64, 2), (128, 1)])
     return dict(hidden=args.chiar_hidden, heads=args.chiar_heads, vocab=256, lengths=[(2048, 8), (4096, 4)])
 
 
@@ -336,7 +336,8 @@ def measure(run: Run, budget: Budget, key: str, fns: dict, baseline: str, common
             run.add(**common, model=name, status=f"skipped: budget spent ({seconds:.1f} s left for it)")
         return
     try:
-        times, repeats = time_alternating(run.clock, fns, seconds, min_repeats=3, max_repeats=run.args.max_repeats)
+        times, repeats = time_alternating(run.clock, fns, seconds, min_repeats=3, max_repeats=run.args.max_repeats,
+                                          warmup=run.args.warmup)
     except Exception as error:  # one failing measurement must not stop the others
         traceback.print_exc()
         if run.clock.cuda:
@@ -358,7 +359,7 @@ def measure(run: Run, budget: Budget, key: str, fns: dict, baseline: str, common
 
 def skip_spent(run: Run, budget: Budget, prefix: str, base: dict) -> bool:
     """True (and the task's measurements reported as skipped) when the budget is spent before the task starts."""
-    if budget.left() >= run.args.min_slot_s and budget.left() > 0:
+    if budget.left() >= run.args.min_slot_s:
         return False
     for key in [k for k in budget.pending if k.startswith(prefix)]:
         budget.pending.pop(key)
@@ -797,23 +798,30 @@ def main(argv=None):
     parser.add_argument("--chiar_heads", type=int, default=12)
     parser.add_argument("--attention_percent", type=float, default=25.0,
                         help="percent of the tokens CHIAR's routed layers send to attention")
-    parser.add_argument("--max_repeats", type=int, default=20)
+    parser.add_argument("--max_repeats", type=int, default=None, help="rounds at most (default 20; 3 with --tiny)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 2; 1 with --tiny)")
     parser.add_argument("--min_slot_s", type=float, default=None,
                         help="a measurement whose share of the budget is below this is skipped (default 2 s on "
-                        "CUDA, 0 with --tiny)")
+                        "CUDA; never with --tiny, whose run must cover every code path)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (default 1)")
     parser.add_argument("--tests_log", default=None, help="pytest log whose outcome lines go into the results")
     parser.add_argument("--out", default=os.path.join(ROOT, "results", "benchmarks"))
     parser.add_argument("--name", default=None, help="file name without suffix (default gpu, gpu_tiny with --tiny)")
     args = parser.parse_args(argv)
     args.budget_s = args.budget_s if args.budget_s is not None else (10.0 if args.tiny else 240.0)
     args.backends = args.backends or (["sdpa"] if args.tiny else ["sdpa", "flex_attention"])
-    args.min_slot_s = args.min_slot_s if args.min_slot_s is not None else (0.0 if args.tiny else 2.0)
+    args.min_slot_s = args.min_slot_s if args.min_slot_s is not None else (float("-inf") if args.tiny else 2.0)
+    args.max_repeats = args.max_repeats or (3 if args.tiny else 20)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
     args.name = args.name or ("gpu_tiny" if args.tiny else "gpu")
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("CUDA is not available to this torch (" + torch.__version__ + "); use --device cpu --tiny "
                          "to exercise the code paths on a CPU")
+    if device.type == "cpu":
+        # Tiny CPU runs check code paths; one thread avoids OpenMP's spin-waits on a machine shared with other jobs.
+        torch.set_num_threads(args.threads)
     import hf_spectral  # noqa: F401  (registers the models)
 
     run = Run(args, device)
