@@ -167,7 +167,7 @@ def _model_classes(config, model_class) -> dict:
             isinstance(value, type)
             and issubclass(value, PreTrainedModel)
             and value.__module__ == module.__name__
-            and getattr(value, "config_class", None) is type(config)
+            and _same_class(getattr(value, "config_class", None), type(config))
         ):
             auto_name = auto_class_of(value)
             if auto_name is not None:
@@ -188,6 +188,12 @@ def _model_classes(config, model_class) -> dict:
             f"names ending in Model, ForCausalLM / LMHeadModel or ForSequenceClassification with that config_class)"
         )
     return classes
+
+
+def _same_class(first, second) -> bool:
+    # By name, as transformers' Auto classes compare them: remote code can hold two class objects for one config
+    # class (transformers may execute a module file again when another Auto class loads it).
+    return isinstance(first, type) and first.__name__ == second.__name__ and _module_stem(first) == _module_stem(second)
 
 
 def _sibling_modeling_module(config_class):
@@ -227,22 +233,24 @@ def _source_file(cls) -> str:
 def _code_files(classes) -> dict:
     """{file name in the checkpoint: text} for the files defining ``classes`` and everything they import relatively."""
     sources = {}  # destination name -> source path
-    pending = []
-    for cls in classes:
-        pending.append(Path(_source_file(cls)).resolve())
+    pending = [Path(_source_file(cls)).resolve() for cls in classes]
     texts = {}
     while pending:
         path = pending.pop()
+        if path in sources.values():
+            continue
+        text, imported = flatten_imports(path)
         name = path.name
         if name in sources:
-            if sources[name] != path:
+            # Remote code loaded through two Auto classes can come from two folders of transformers' module cache
+            # (one per set of files): the same file twice is fine, two different files of one name are not.
+            if texts[name] != text:
                 raise RemoteCodeError(
-                    f"two files needed by the remote code have the same name {name!r}: {sources[name]} and {path}"
+                    f"two different files needed by the remote code have the same name {name!r}: "
+                    f"{sources[name]} and {path}"
                 )
             continue
-        sources[name] = path
-        text, imported = flatten_imports(path)
-        texts[name] = text
+        sources[name], texts[name] = path, text
         pending.extend(imported)
     return texts
 

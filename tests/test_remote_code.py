@@ -1,0 +1,430 @@
+"""Saved checkpoints carry their code: every class loads with ``trust_remote_code=True`` where hf_spectral is not
+installed (a subprocess in which ``import hf_spectral`` fails), with the outputs of the model that was saved.
+
+One subprocess per model family runs every load of that family (it pays the torch/transformers import once).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.dynamic_module_utils import get_imports
+
+import hf_spectral
+from hf_spectral import CharTokenizer
+from hf_spectral.models.chiar_former import (
+    ChiarConfig,
+    ChiarForCausalLM,
+    ChiarForSequenceClassification,
+    ChiarModel,
+)
+from hf_spectral.models.ega_gpt import EGAConfig, EGAForCausalLM, EGAForSequenceClassification, EGAModel
+from hf_spectral.ops import remote_code
+from hf_spectral.ops.remote_code import RemoteCodeError, flatten_imports, save_model_code
+from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates
+
+PACKAGE = Path(hf_spectral.__file__).parent
+OPS = PACKAGE / "ops"
+TEXT = "to be, or not to be: that is the question\n"
+# Same code, weights and machine on both sides; the tolerance only absorbs a kernel choice that could differ
+# between two processes (none is expected).
+ATOL, RTOL = 1e-6, 1e-5
+# What the saved code may import besides the standard library: transformers and its own requirements.
+ALLOWED_IMPORTS = {"torch", "transformers", "huggingface_hub", "safetensors", "numpy", "packaging"}
+
+# Runs in a fresh interpreter where `import hf_spectral` fails, as on a machine without the plugin. Each job loads
+# one folder through one Auto class and records what the parent compares.
+_LOADER = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules["hf_spectral"] = None  # any import of the plugin now raises ImportError
+    import torch, transformers
+
+    jobs_file, out_file = sys.argv[1:3]
+    results = {}
+    for job in json.load(open(jobs_file)):
+        loaded = getattr(transformers, job["auto"]).from_pretrained(job["path"], trust_remote_code=True)
+        result = {"class": type(loaded).__module__ + "." + type(loaded).__name__}
+        if job["auto"] == "AutoTokenizer":
+            result["input_ids"] = loaded(job["text"])["input_ids"]
+            result["decoded"] = loaded.decode(result["input_ids"])
+            results[job["name"]] = result
+            continue
+        model = loaded.eval()
+        saved = torch.load(job["inputs"])
+        inputs = saved["inputs"]
+        with torch.no_grad():
+            result["output"] = getattr(model(**inputs), job["output"])
+            if job.get("generate"):
+                prompt = {"input_ids": saved["prompt"], "max_new_tokens": 6, "do_sample": False}
+                result["generated"] = model.generate(**prompt)
+                result["generated_without_cache"] = model.generate(**prompt, use_cache=False)
+        if job.get("resave"):  # save_pretrained of a model that was itself loaded as remote code
+            model.save_pretrained(job["resave"])
+            again = getattr(transformers, job["auto"]).from_pretrained(job["resave"], trust_remote_code=True).eval()
+            result["resaved_class"] = type(again).__module__ + "." + type(again).__name__
+            with torch.no_grad():
+                result["resaved_output"] = getattr(again(**inputs), job["output"])
+        results[job["name"]] = result
+    leaked = [name for name, module in sys.modules.items() if name.split(".")[0] == "hf_spectral" and module is not None]
+    assert not leaked, f"hf_spectral was imported: {leaked}"
+    torch.save(results, out_file)
+    """
+)
+
+
+def run_without_plugin(jobs: list[dict], tmp_path: Path) -> dict:
+    jobs_file, out_file = tmp_path / "jobs.json", tmp_path / "results.pt"
+    jobs_file.write_text(json.dumps(jobs))
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(
+        [sys.executable, "-c", _LOADER, str(jobs_file), str(out_file)],
+        cwd=tmp_path,  # not the checkout: only the installed packages are importable
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-6000:]
+    return torch.load(out_file)
+
+
+def tokenizer_in(folder: Path) -> CharTokenizer:
+    tokenizer = CharTokenizer.from_text(TEXT, folder / "vocab", pad_token="<pad>")
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def inputs_file(folder: Path, inputs: dict, prompt: torch.Tensor) -> str:
+    path = folder / "inputs.pt"
+    torch.save({"inputs": inputs, "prompt": prompt}, path)
+    return str(path)
+
+
+def generate(model, prompt: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False)
+
+
+def padded_inputs(tokenizer: CharTokenizer) -> dict:
+    batch = tokenizer(["to be, or not", "that is"], padding=True, padding_side="left", return_tensors="pt")
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EGA-GPT and CHIAR-Former: every class, and the tokenizer
+# ----------------------------------------------------------------------------------------------------------------
+
+FAMILIES = {
+    "ega_gpt": (
+        lambda vocab, pad: EGAConfig(
+            vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64,
+            energy_kind="conv", energy_scales=[3, 7], gate_alpha_init=1.5, pad_token_id=pad,
+        ),
+        EGAModel, EGAForCausalLM, EGAForSequenceClassification,
+    ),
+    "chiar_former": (
+        lambda vocab, pad: ChiarConfig(
+            vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64,
+            pad_token_id=pad,
+        ),
+        ChiarModel, ChiarForCausalLM, ChiarForSequenceClassification,
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_class_and_the_tokenizer_load_without_the_plugin(tmp_path, family):
+    make_config, base_class, causal_class, classifier_class = FAMILIES[family]
+    tokenizer = tokenizer_in(tmp_path / "tokenizer")
+    config = make_config(len(tokenizer), tokenizer.pad_token_id)
+    inputs = padded_inputs(tokenizer)
+    prompt = torch.tensor([tokenizer("to be")["input_ids"], tokenizer("or no")["input_ids"]])
+    expected, jobs = {}, []
+    for seed, (auto, model_class, output) in enumerate(
+        [
+            ("AutoModel", base_class, "last_hidden_state"),
+            ("AutoModelForCausalLM", causal_class, "logits"),
+            ("AutoModelForSequenceClassification", classifier_class, "logits"),
+        ]
+    ):
+        torch.manual_seed(seed)
+        model = model_class(config).eval()
+        folder = tmp_path / auto
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+        assert auto_map[auto].endswith(f".{model_class.__name__}")
+        assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification"}
+        with torch.no_grad():
+            expected[auto] = getattr(model(**inputs), output)
+        job = {"name": auto, "auto": auto, "path": str(folder), "inputs": inputs_file(folder, inputs, prompt),
+               "output": output}
+        if auto == "AutoModelForCausalLM":
+            expected["generated"] = generate(model, prompt)
+            with torch.no_grad():
+                expected["bare model of the causal LM"] = model.base_model(**inputs).last_hidden_state
+            job.update(generate=True, resave=str(tmp_path / "resaved"))
+            # The bare model and a fresh classification head out of the language model's checkpoint.
+            jobs.append({**job, "name": "bare model of the causal LM", "auto": "AutoModel",
+                         "output": "last_hidden_state", "generate": False, "resave": None})
+            jobs.append({**job, "name": "classifier from the causal LM", "auto": "AutoModelForSequenceClassification",
+                         "generate": False, "resave": None})
+        jobs.append(job)
+    jobs.append({"name": "tokenizer", "auto": "AutoTokenizer", "path": str(tmp_path / "AutoModelForCausalLM"),
+                 "text": TEXT})
+
+    results = run_without_plugin(jobs, tmp_path)
+
+    for auto, model_class in (("AutoModel", base_class), ("AutoModelForCausalLM", causal_class),
+                              ("AutoModelForSequenceClassification", classifier_class)):
+        loaded = results[auto]
+        assert loaded["class"].startswith("transformers_modules.") and loaded["class"].endswith(f".{model_class.__name__}")
+        torch.testing.assert_close(loaded["output"], expected[auto], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        results["bare model of the causal LM"]["output"], expected["bare model of the causal LM"], atol=ATOL, rtol=RTOL
+    )
+    assert results["bare model of the causal LM"]["class"].endswith(f".{base_class.__name__}")
+    assert results["classifier from the causal LM"]["output"].shape == (2, config.num_labels)
+
+    causal = results["AutoModelForCausalLM"]
+    assert torch.equal(causal["generated"], expected["generated"])
+    assert torch.equal(causal["generated_without_cache"], expected["generated"])
+    # Saved again from the remotely loaded model: same code, complete auto_map, same outputs.
+    assert causal["resaved_class"].startswith("transformers_modules.resaved.")
+    torch.testing.assert_close(causal["resaved_output"], expected["AutoModelForCausalLM"], atol=ATOL, rtol=RTOL)
+    first, second = tmp_path / "AutoModelForCausalLM", tmp_path / "resaved"
+    model_code = sorted(p.name for p in first.glob("*.py") if p.name != "tokenization_char.py")  # no tokenizer resaved
+    assert sorted(p.name for p in second.glob("*.py")) == model_code
+    for name in model_code:
+        assert (second / name).read_bytes() == (first / name).read_bytes(), name
+    assert json.loads((second / "config.json").read_text())["auto_map"] == json.loads(
+        (first / "config.json").read_text()
+    )["auto_map"]
+
+    loaded_tokenizer = results["tokenizer"]
+    assert loaded_tokenizer["class"].endswith(".tokenization_char.CharTokenizer")
+    assert loaded_tokenizer["input_ids"] == tokenizer(TEXT)["input_ids"]
+    assert loaded_tokenizer["decoded"] == TEXT
+    tokenizer_map = json.loads((first / "tokenizer_config.json").read_text())["auto_map"]
+    assert tokenizer_map["AutoTokenizer"] == ["tokenization_char.CharTokenizer", None]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The copies are the package's files
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _package_source(name: str) -> Path:
+    if (OPS / name).is_file():
+        return OPS / name
+    matches = [path for path in PACKAGE.rglob(name) if OPS not in path.parents]
+    assert len(matches) == 1, f"{name}: {matches}"
+    return matches[0]
+
+
+def _relative_imports_flattened(text: str) -> str:
+    # The test's own statement of the rewrite: `from ...ops.x import` / `from ..retrofit.x import` -> `from .x import`.
+    return re.sub(r"^([ \t]*from[ \t]+)\.+(?:\w+\.)*(\w+)([ \t]+import\b)", r"\1.\2\3", text, flags=re.M)
+
+
+def _imported_ops(path: Path) -> set:
+    return set(re.findall(r"^[ \t]*from[ \t]+\.+ops\.(\w+)[ \t]+import\b", path.read_text(), flags=re.M))
+
+
+def _saved(tmp_path: Path, model) -> Path:
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: EGAForCausalLM(FAMILIES["ega_gpt"][0](40, None)),
+        lambda: ChiarForSequenceClassification(FAMILIES["chiar_former"][0](40, None)),
+        lambda: add_energy_gates(GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2))),
+    ],
+    ids=["ega_gpt", "chiar_former", "retrofit"],
+)
+def test_saved_code_is_the_package_code_with_sibling_imports(tmp_path, build):
+    model = build()
+    folder = _saved(tmp_path, model)
+    saved = {path.name: path for path in folder.glob("*.py")}
+    modeling_file = Path(sys.modules[type(model).__module__].__file__)
+    config_file = Path(sys.modules[type(model.config).__module__].__file__)
+    assert {modeling_file.name, config_file.name, "remote_code.py"} <= set(saved)
+    assert {f"{name}.py" for name in _imported_ops(modeling_file) | _imported_ops(config_file)} <= set(saved)
+    for name, path in saved.items():
+        source = _package_source(name)
+        if source.parent == OPS:  # ops files import each other with single dots: byte-identical copies
+            assert path.read_bytes() == source.read_bytes(), name
+        else:
+            assert path.read_text() == _relative_imports_flattened(source.read_text()), name
+        assert not re.search(r"^[ \t]*from[ \t]+\.\.", path.read_text(), flags=re.M), name
+        needed = set(get_imports(path)) - set(sys.stdlib_module_names)
+        assert needed <= ALLOWED_IMPORTS, f"{name} needs {sorted(needed - ALLOWED_IMPORTS)}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Retrofitted checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _tiny_llama() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+    ))
+
+
+def test_retrofitted_checkpoints_load_without_the_plugin(tmp_path):
+    ids = torch.randint(1, 40, (2, 10), generator=torch.Generator().manual_seed(0))
+    prompt = ids[:, :4]
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: the gates see the padding mask
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    cases = {
+        "gpt2": (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2, n_positions=64)),
+                 EnergyGateConfig(alpha_init=1.5, tau_init=0.2), "EnergyGatedGPT2LMHeadModel"),
+        "gpt2 morlet, one layer": (
+            lambda: GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2, n_positions=64)),
+            EnergyGateConfig(energy_kind="morlet", scales=[3, 7], layers=[1], alpha_init=1.0),
+            "EnergyGatedGPT2LMHeadModel",
+        ),
+        "gpt2 classifier": (
+            lambda: GPT2ForSequenceClassification(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2,
+                                                             n_positions=64, pad_token_id=0, num_labels=3)),
+            EnergyGateConfig(alpha_init=1.0), "EnergyGatedGPT2ForSequenceClassification",
+        ),
+        "llama, some heads": (_tiny_llama, EnergyGateConfig(alpha_init=1.5, heads=[1]), "EnergyGatedLlamaForCausalLM"),
+    }
+    expected, jobs = {}, []
+    for seed, (name, (build, gate_config, class_name)) in enumerate(cases.items()):
+        torch.manual_seed(seed)
+        model = add_energy_gates(build(), gate_config).eval()
+        with torch.no_grad():  # gates away from the identity, so that a checkpoint without them would differ
+            for parameter_name, parameter in model.named_parameters():
+                if ".energy_gate." in parameter_name:
+                    parameter.add_(0.3 * torch.randn_like(parameter))
+        folder = tmp_path / name.replace(" ", "_").replace(",", "")
+        model.save_pretrained(folder)
+        auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+        assert auto_map[
+            "AutoModelForSequenceClassification" if "classifier" in name else "AutoModelForCausalLM"
+        ] == f"modeling_energy_gated.{class_name}"
+        causal = "classifier" not in name
+        with torch.no_grad():
+            expected[name] = model(**inputs).logits
+        if causal:
+            expected[name + " generated"] = generate(model, prompt)
+        jobs.append({"name": name, "path": str(folder), "inputs": inputs_file(folder, inputs, prompt), "output": "logits",
+                     "auto": "AutoModelForCausalLM" if causal else "AutoModelForSequenceClassification",
+                     "generate": causal, "resave": str(tmp_path / "resaved") if name == "gpt2" else None})
+        if name == "gpt2":
+            expected["gpt2 bare"] = model.transformer(**inputs).last_hidden_state
+            jobs.append({**jobs[-1], "name": "gpt2 bare", "auto": "AutoModel", "output": "last_hidden_state",
+                         "generate": False, "resave": None})
+
+    results = run_without_plugin(jobs, tmp_path)
+
+    for name, (_, _, class_name) in cases.items():
+        loaded = results[name]
+        assert loaded["class"].startswith("transformers_modules.") and loaded["class"].endswith(f".{class_name}")
+        torch.testing.assert_close(loaded["output"], expected[name], atol=ATOL, rtol=RTOL)
+        if "classifier" not in name:
+            assert torch.equal(loaded["generated"], expected[name + " generated"])
+            assert torch.equal(loaded["generated_without_cache"], expected[name + " generated"])
+    assert results["gpt2 bare"]["class"].endswith(".EnergyGatedGPT2Model")
+    torch.testing.assert_close(results["gpt2 bare"]["output"], expected["gpt2 bare"], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(results["gpt2"]["resaved_output"], expected["gpt2"], atol=ATOL, rtol=RTOL)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# save_model_code itself
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_refuses_what_it_cannot_save(tmp_path):
+    model = EGAForCausalLM(FAMILIES["ega_gpt"][0](40, None))
+    with pytest.raises(FileNotFoundError, match="call save_pretrained"):
+        save_model_code(model, tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        save_model_code(model, tmp_path / "empty")
+    assert list((tmp_path / "empty").iterdir()) == []  # nothing written when it refuses
+    with pytest.raises(TypeError, match="a model, a config or a tokenizer"):
+        save_model_code(object(), tmp_path / "empty")
+
+
+def test_an_import_that_cannot_be_flattened_is_named(tmp_path):
+    package = tmp_path / "pkg" / "models" / "m"
+    package.mkdir(parents=True)
+    (tmp_path / "pkg" / "ops").mkdir()
+    (tmp_path / "pkg" / "ops" / "helper.py").write_text("X = 1\n")
+    good = package / "good.py"
+    good.write_text('"""from ...nowhere import nothing (a docstring, not an import)"""\n\nfrom ...ops.helper import X\n')
+    text, imported = flatten_imports(good)
+    assert text == '"""from ...nowhere import nothing (a docstring, not an import)"""\n\nfrom .helper import X\n'
+    assert imported == [(tmp_path / "pkg" / "ops" / "helper.py").resolve()]
+    for body, message in [
+        ("from ...ops.missing import X\n", "does not exist"),
+        ("from ...ops import helper\n", "imports a package"),
+        ("from .. import m\n", "imports a package"),
+        ("import hf_spectral\n", "imports hf_spectral by name"),
+        ("def f():\n    from hf_spectral.ops import pooling\n", "line 2"),
+    ]:
+        bad = package / "bad.py"
+        bad.write_text(body)
+        with pytest.raises(RemoteCodeError, match=message):
+            flatten_imports(bad)
+
+
+def test_an_interrupted_save_leaves_the_previous_files_whole(tmp_path, monkeypatch):
+    model = EGAForCausalLM(FAMILIES["ega_gpt"][0](40, None))
+    model.save_pretrained(tmp_path)
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    (tmp_path / "config.json").write_text(json.dumps({**json.loads(before["config.json"]), "auto_map": {}}))
+    stale = (tmp_path / "config.json").read_bytes()
+
+    def fail_on_config(source, destination):
+        if Path(destination).name == "config.json":
+            raise OSError("disk full")
+        return os_replace(source, destination)
+
+    os_replace = os.replace
+    monkeypatch.setattr(remote_code.os, "replace", fail_on_config)
+    with pytest.raises(OSError, match="disk full"):
+        save_model_code(model, tmp_path)
+    assert (tmp_path / "config.json").read_bytes() == stale  # untouched, not truncated
+    assert not [path.name for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
+    for name, content in before.items():
+        if name != "config.json":
+            assert (tmp_path / name).read_bytes() == content
+
+
+def test_saved_files_get_ordinary_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        EGAForCausalLM(FAMILIES["ega_gpt"][0](40, None)).save_pretrained(tmp_path)
+    finally:
+        os.umask(old)
+    for path in tmp_path.glob("*.py"):
+        assert path.stat().st_mode & 0o777 == 0o644, path.name
+
+
+def test_the_plugin_still_loads_its_own_classes_from_a_folder_with_remote_code(tmp_path):
+    model = EGAForCausalLM(FAMILIES["ega_gpt"][0](40, None)).eval()
+    model.save_pretrained(tmp_path)
+    for auto, expected_class in (("AutoModelForCausalLM", EGAForCausalLM), ("AutoModel", EGAModel),
+                                 ("AutoModelForSequenceClassification", EGAForSequenceClassification)):
+        loaded = getattr(transformers, auto).from_pretrained(tmp_path)  # no trust_remote_code: the plugin's classes
+        assert type(loaded) is expected_class
