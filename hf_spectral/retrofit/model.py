@@ -60,7 +60,8 @@ def add_energy_gates(model, config: EnergyGateConfig | None = None):
     With the default ``alpha_init=0`` every gate starts as the identity, so the logits do not change (exactly;
     tested for padded batches and cached generation). The model becomes an ``energy_gated_<family>`` model:
     ``save_pretrained`` records the gate configuration in ``config.json`` and the gates load back with
-    ``AutoModelForCausalLM.from_pretrained``.
+    ``AutoModelForCausalLM.from_pretrained``. If adding fails (e.g. PyWavelets missing for db2/db4 energies), the
+    model is left as it was.
     """
     config = config or EnergyGateConfig()
     if not isinstance(config, EnergyGateConfig):
@@ -68,12 +69,41 @@ def add_energy_gates(model, config: EnergyGateConfig | None = None):
     family = family_of(model)
     if has_energy_gates(model):
         raise ValueError("this model already has energy gates; call remove_energy_gates(model) first")
-    _inject(model, family, config)
-    model.config.energy_gates = config.to_dict()
-    model.config.__class__ = gated_config_class(family)
-    init_energy_gates(model)
-    model.__class__ = gated_model_class(type(model))
+    decoder = _decoder_of(model, family)
+    attentions = _attention_layers(decoder, family)
+    before = {
+        "attentions": [(attention, type(attention), attention.__dict__.get("config")) for attention in attentions],
+        "config_class": type(model.config),
+        "model_class": type(model),
+    }
+    try:
+        _inject(model, family, config)
+        model.config.energy_gates = config.to_dict()
+        model.config.__class__ = gated_config_class(family)
+        init_energy_gates(model)
+        model.__class__ = gated_model_class(type(model))
+    except BaseException:
+        _restore(model, decoder, before)
+        raise
     return model
+
+
+def _restore(model, decoder, before: dict) -> None:
+    """Undo a partly done `add_energy_gates`: every attention, the decoder, the config and the model as they were."""
+    for attention, attention_class, attention_config in before["attentions"]:
+        for name in ("energy_gate", "energy_gate_heads", "energy_gate_token_mask"):
+            if hasattr(attention, name):
+                delattr(attention, name)
+        attention.__class__ = attention_class
+        if attention_config is not None:
+            attention.config = attention_config
+    hook = decoder.__dict__.pop("_energy_gate_hook", None)
+    if hook is not None:
+        hook.remove()
+    decoder.__dict__.pop("_energy_gated_attentions", None)
+    model.config.__dict__.pop("energy_gates", None)
+    model.config.__class__ = before["config_class"]
+    model.__class__ = before["model_class"]
 
 
 def remove_energy_gates(model):
@@ -153,12 +183,8 @@ def save_energy_gates(model, path: str) -> str:
     return path
 
 
-def load_energy_gates(model, path: str):
-    """Load a file written by `save_energy_gates` into ``model`` (adding the gates first if it has none).
-
-    Refuses, with a message naming the mismatch, a file made for another model family, width, head count or
-    number of layers, or with gates configured differently from the ones ``model`` already has.
-    """
+def _read_gates_file(path: str) -> tuple[dict, dict]:
+    """(tensors, description) of a file written by `save_energy_gates`; ValueError for anything else."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"energy-gate file not found: {path}")
     try:
@@ -169,7 +195,42 @@ def load_energy_gates(model, path: str):
         raise ValueError(f"{path} is not a readable safetensors file: {error}") from error
     if GATES_FILE_METADATA_KEY not in metadata:
         raise ValueError(f"{path} is not an energy-gate file (no '{GATES_FILE_METADATA_KEY}' metadata)")
-    saved = json.loads(metadata[GATES_FILE_METADATA_KEY])
+    try:
+        saved = json.loads(metadata[GATES_FILE_METADATA_KEY])
+        if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+            raise ValueError("no gate configuration")
+    except ValueError as error:
+        raise ValueError(f"{path} has a corrupt '{GATES_FILE_METADATA_KEY}' description: {error}") from error
+    for name, tensor in tensors.items():
+        if not _is_gate_parameter(name):
+            raise ValueError(f"{path} holds {name}, which is not an energy-gate parameter")
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            raise ValueError(f"{path}: {name} holds non-finite values")
+    return tensors, saved
+
+
+def _check_gate_tensors(model, tensors: dict, path: str) -> None:
+    state = model.state_dict()
+    expected_keys = {name for name in state if _is_gate_parameter(name)}
+    if set(tensors) != expected_keys:
+        raise ValueError(
+            f"{path} does not match this model's gates: missing {sorted(expected_keys - set(tensors))[:5]}, "
+            f"unexpected {sorted(set(tensors) - expected_keys)[:5]}"
+        )
+    for name, tensor in tensors.items():
+        if tensor.shape != state[name].shape:
+            raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(state[name].shape)}")
+
+
+def load_energy_gates(model, path: str):
+    """Load a file written by `save_energy_gates` into ``model`` (adding the gates first if it has none).
+
+    Refuses, with a message naming the mismatch, a file made for another model family, width, head count or
+    number of layers, with gates configured differently from the ones ``model`` already has, or with tensors of
+    other names, shapes or non-finite values. When it refuses, ``model`` is exactly as it was: same class, same
+    modules, same parameters (gates added for the check are removed again).
+    """
+    tensors, saved = _read_gates_file(path)
     family = family_of(model)
     expected = {
         "model_type": family.model_type,
@@ -181,19 +242,19 @@ def load_energy_gates(model, path: str):
         if saved.get(key) != value:
             raise ValueError(f"{path} was made for a model with {key}={saved.get(key)!r}, this model has {value!r}")
     gate_config = EnergyGateConfig.from_dict(saved["config"])
-    if not has_energy_gates(model):
-        add_energy_gates(model, gate_config)
-    elif dict(model.config.energy_gates) != gate_config.to_dict():
+    added = not has_energy_gates(model)
+    if not added and dict(model.config.energy_gates) != gate_config.to_dict():
         raise ValueError(f"{path} holds gates configured as {gate_config.to_dict()}, the model's are {model.config.energy_gates}")
-    state = model.state_dict()
-    expected_keys = {name for name in state if _is_gate_parameter(name)}
-    if set(tensors) != expected_keys:
-        raise ValueError(
-            f"{path} does not match this model's gates: missing {sorted(expected_keys - set(tensors))[:5]}, "
-            f"unexpected {sorted(set(tensors) - expected_keys)[:5]}"
-        )
-    for name, tensor in tensors.items():
-        if tensor.shape != state[name].shape:
-            raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(state[name].shape)}")
-    model.load_state_dict(tensors, strict=False)
+    if added:
+        add_energy_gates(model, gate_config)
+    previous = {name: tensor.detach().clone() for name, tensor in model.state_dict().items() if _is_gate_parameter(name)}
+    try:
+        _check_gate_tensors(model, tensors, path)
+        model.load_state_dict(tensors, strict=False)
+    except BaseException:
+        if added:
+            remove_energy_gates(model)
+        else:
+            model.load_state_dict(previous, strict=False)
+        raise
     return model
