@@ -586,6 +586,12 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
             callbacks.append(RecalibrationCallback(args.recalibrate_steps, calibrator))
     elif args.calibration_percentiles and is_main_process():
         print(f"[{arm.name}] --calibration_percentiles ignored: {arm.family} has no thresholds", flush=True)
+    if getattr(model.config, "classifier_pooling", None) == "rmt_optimal" and not checkpoint:
+        # an unfitted rmt_optimal head refuses to run: fit it at initialisation (a resumed run restores its weights)
+        from hf_spectral.rmt import fit_rmt_pooling
+
+        fit = fit_rmt_pooling(model, calibration_batches(data, preset, args.calibration_batches))
+        print(f"[{arm.name}] rmt_optimal head fitted on {fit.estimate.n_sequences} training sequences", flush=True)
 
     validation = data.datasets["validation"]
     curve_set = fixed_subset(validation, preset.eval_batches * preset.batch_size)
