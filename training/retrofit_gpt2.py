@@ -336,7 +336,7 @@ def finetune_arm(arm, seed, pretrained_dir, args, preset, data, tokenizer, runs)
         model, run_dir, phase, seed, data["finetune"].datasets["train"], curve_set, tokenizer, args,
         optimizer=make_optimizer(model, preset, arm), hub_model_id=hub_model_id, run_name=f"retrofit_gpt2/{run_name}",
         model_card_fn=lambda directory: write_arm_card(directory, arm, seed, preset, args, summary, gate_config,
-                                                       hub_model_id or directory),
+                                                       hub_model_id or "<user>/<repo>"),
     )
     timing = train_or_resume(trainer, interrupt, run_dir, phase.max_steps)
     if timing is None:
@@ -393,9 +393,10 @@ def write_arm_card(directory, arm, seed, preset, args, summary, gate_config, rep
                  + ("add_energy_gates(base, EnergyGateConfig.from_pretrained(\"%s\"))\n" % repo_id if gate_config else "")
                  + f"model = PeftModel.from_pretrained(base, \"{repo_id}\")")
     else:
-        usage = ("import hf_spectral  # registers the energy-gated GPT-2 model type\n"
-                 "from transformers import AutoModelForCausalLM\n\n"
-                 f"model = AutoModelForCausalLM.from_pretrained(\"{repo_id}\")")
+        usage = ("from transformers import AutoModelForCausalLM\n\n"
+                 "# The repository carries the energy-gated GPT-2's code: with trust_remote_code=True, transformers\n"
+                 "# alone loads it. With hf_spectral installed, `import hf_spectral` and leave the flag out instead.\n"
+                 f"model = AutoModelForCausalLM.from_pretrained(\"{repo_id}\", trust_remote_code=True)")
     notes = ""
     if summary.get("gates"):
         notes = f"Learned gate threshold τ: mean {summary['gates']['tau_mean']:.3f}; slope α: mean {summary['gates']['alpha_mean']:.3f}."

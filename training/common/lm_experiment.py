@@ -312,7 +312,7 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
         chars_per_token=data.chars_per_token("validation"), run_name=f"{benchmark.recipe}/{spec.name}",
         hub_model_id=hub_model_id,
         model_card_fn=lambda directory: write_card(directory, spec, preset, benchmark, summary, model,
-                                                   repo_id=hub_model_id if args.push_to_hub else directory),
+                                                   repo_id=hub_model_id if args.push_to_hub else "<user>/<repo>"),
     )
     timing = train_or_resume(trainer, interrupt, run_dir, preset.max_steps)
     if timing is None:
