@@ -49,7 +49,7 @@ def plot_learning_curves(histories: dict, path: str, title: str) -> str:
 def gate_values_per_token(model, input_ids: torch.Tensor) -> dict:
     """{layer: (heads, T) gate values g ∈ (0, 1)} for one sequence, read from every ``EnergyGate`` module by a
     forward hook, so it works for EGA-GPT and for retrofitted models alike."""
-    from hf_spectral.models.ega_gpt.energy_gate import EnergyGate
+    from hf_spectral.ops.energy_gate import EnergyGate
 
     from .callbacks import _layer_index
 

@@ -1,0 +1,143 @@
+"""The built wheel is a complete package: installed into a fresh environment and run from a folder outside the
+checkout, it answers `hf-spectral --version`, trains a recipe (`hf-spectral train tinyshakespeare --smoke`) and
+retrofits a checkpoint (`hf-spectral retrofit SRC DST`).
+
+The fresh environment gets hf_spectral from the wheel only. Third-party packages (torch, transformers, ...) come
+from the project's environment: its site-packages folder is put on the path of the new one, without running its
+.pth files, so the editable install of the checkout stays out (checked below).
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+import zipfile
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from tests.training.conftest import synthetic_text
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# What setuptools reads to build the wheel; copied so that the build never writes into the checkout.
+BUILD_INPUTS = ("hf_spectral", "training", "setup.py", "setup.cfg", "pyproject.toml", "README.md")
+
+
+def _run(command, cwd, env, timeout=300):
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(venv python, hf-spectral executable, environment, outside folder, wheel path)."""
+    work = tmp_path_factory.mktemp("packaging")
+    source = work / "source"
+    source.mkdir()
+    for name in BUILD_INPUTS:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(path, source / name)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    # The build uses this environment's setuptools (no download): what `pip wheel` does with build isolation,
+    # from the same pyproject.toml / setup.cfg / setup.py.
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+          "-w", str(work / "dist"), str(source)], cwd=work, env=env)
+    (wheel,) = (work / "dist").glob("hf_spectral-*.whl")
+
+    venv = work / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=work, env=env)
+    python = venv / "bin" / "python"
+    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=work,
+                   env=env).stdout.strip()
+    # A plain path line in a .pth file adds the folder without processing the .pth files inside it.
+    project_site = [p for p in site.getsitepackages() + [sysconfig.get_path("purelib")] if os.path.isdir(p)]
+    pathlib.Path(purelib, "project_dependencies.pth").write_text("\n".join(dict.fromkeys(project_site)) + "\n")
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
+          str(wheel)], cwd=work, env=env)
+    outside = work / "elsewhere"
+    outside.mkdir()
+    return python, venv / "bin" / "hf-spectral", env, outside, wheel
+
+
+def test_wheel_holds_the_recipes_under_the_package_and_no_top_level_training(installed):
+    *_, wheel = installed
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {name.split("/")[0] for name in names}
+    assert top_level == {"hf_spectral", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    for required in ("hf_spectral/recipes/__init__.py", "hf_spectral/recipes/common/__init__.py",
+                     "hf_spectral/recipes/tinyshakespeare.py", "hf_spectral/recipes/reproduce_ega.py",
+                     "hf_spectral/recipes/model_cards/ega_gpt.md", "hf_spectral/recipes/model_cards/retrofit_gpt2.md",
+                     "hf_spectral/recipes/metrics/language_model_loss/language_model_loss.py",
+                     "hf_spectral/recipes/metrics/generalization_gap/generalization_gap.py"):
+        assert required in names, required
+    # Every module and template of the source tree is in the wheel.
+    for folder, prefix in (("hf_spectral", "hf_spectral"), ("training", "hf_spectral/recipes")):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".md") and "__pycache__" not in path.parts:
+                assert f"{prefix}/{path.relative_to(ROOT / folder).as_posix()}" in names, path
+    metadata = zipfile.ZipFile(wheel).read(f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info/METADATA")
+    requirements = [line for line in metadata.decode().splitlines() if line.startswith("Requires-Dist: torch")]
+    assert requirements and all("==" not in line for line in requirements), requirements
+
+
+def test_installed_package_comes_from_the_wheel_not_the_checkout(installed):
+    python, _, env, outside, _ = installed
+    script = ("import importlib.util, hf_spectral, hf_spectral.recipes\n"
+              "print(hf_spectral.__file__); print(hf_spectral.recipes.__file__)\n"
+              "print(importlib.util.find_spec('training'))\n")
+    lines = _run([str(python), "-c", script], cwd=outside, env=env).stdout.splitlines()
+    venv = str(python.parent.parent)
+    assert lines[0].startswith(venv) and lines[1].startswith(venv), lines
+    assert lines[2] == "None"  # no generic top-level `training` package
+
+
+def test_console_command_prints_the_version(installed):
+    _, command, env, outside, _ = installed
+    import hf_spectral
+
+    assert _run([str(command), "--version"], cwd=outside, env=env).stdout == f"hf-spectral {hf_spectral.__version__}\n"
+
+
+def test_installed_recipe_trains_and_writes_its_model_card(installed):
+    _, command, env, outside, _ = installed
+    data = outside / "input.txt"
+    data.write_text(synthetic_text(30_000), encoding="utf-8")
+    out = outside / "runs"
+    _run([str(command), "train", "tinyshakespeare", "--smoke", "--variants", "EGA-1", "--max_steps", "4",
+          "--eval_steps", "2", "--save_steps", "4", "--data_path", str(data), "--output_dir", str(out),
+          "--no_plots", "--threads", "1"], cwd=outside, env=env, timeout=600)
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [row["model"] for row in rows] == ["EGA-1 (causal)"]
+    run = out / "EGA-1-causal-seed0"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["val_loss"] > 0 and summary["generalization_gap"] is not None  # the local metric modules ran
+    assert "EGA-1" in (run / "README.md").read_text()  # rendered from the packaged model-card template
+    assert (run / "model.safetensors").is_file()
+
+
+def test_installed_retrofit_command_writes_a_loadable_gated_copy(installed, tmp_path):
+    python, command, env, outside, _ = installed
+    torch.manual_seed(0)
+    source = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)).save_pretrained(source)
+    destination = outside / "gated"
+    _run([str(command), "retrofit", str(source), str(destination), "--layers", "1"], cwd=outside, env=env)
+    assert json.loads((destination / "config.json").read_text())["energy_gates"]["layers"] == [1]
+    check = ("import sys, torch, hf_spectral\n"
+             "from transformers import AutoModelForCausalLM\n"
+             "ids = torch.arange(12).view(1, 12)\n"
+             "a = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+             "b = AutoModelForCausalLM.from_pretrained(sys.argv[2]).eval()\n"
+             "assert any('energy_gate' in name for name, _ in b.named_parameters())\n"
+             "with torch.no_grad():\n"
+             "    assert torch.equal(a(ids).logits, b(ids).logits)  # alpha = 0: the identity\n")
+    _run([str(python), "-c", check, str(source), str(destination)], cwd=outside, env=env)
