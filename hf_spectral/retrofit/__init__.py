@@ -9,23 +9,29 @@
     model.save_pretrained("gated")                 # config.json records the gates
     AutoModelForCausalLM.from_pretrained("gated")  # gates restored (with hf_spectral imported)
 
-Gates next to LoRA adapters (PEFT): the gates train through ``modules_to_save`` and are stored in the adapter.
+Gates next to LoRA adapters (PEFT): the gates train through ``modules_to_save`` and are stored in the adapter;
+``save_pretrained`` also writes the gate configuration (``energy_gate_config.json``) into the adapter folder.
 
     from peft import LoraConfig, PeftModel, get_peft_model
 
     add_energy_gates(model, gate_config)
-    peft_model = get_peft_model(model, LoraConfig(target_modules=["c_attn"], modules_to_save=["energy_gate"]))
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", modules_to_save=["energy_gate"]))
     ...                                            # train
-    peft_model.save_pretrained("adapter"); gate_config.save_pretrained("adapter")
+    peft_model.save_pretrained("adapter")          # LoRA weights, trained gates, gate configuration
 
-    base = AutoModelForCausalLM.from_pretrained("path/or/hub-id")
-    add_energy_gates(base, EnergyGateConfig.from_pretrained("adapter"))
-    model = PeftModel.from_pretrained(base, "adapter")   # LoRA weights and trained gates restored
+    base = AutoModelForCausalLM.from_pretrained("path/or/hub-id")      # no gates
+    model = PeftModel.from_pretrained(base, "adapter")   # gates added, LoRA weights and trained gates restored
+
+Loading such an adapter never drops its gates: when they cannot be restored (no gate configuration in the folder,
+gates configured differently, gates that live in a gated base checkpoint) it raises a ``ValueError`` saying what
+to do (``hf_spectral.peft_integration``; ``load_gated_adapter(base, "adapter")`` does the same explicitly).
 
 A gates-only file (a few kilobytes): ``save_energy_gates(model, "gates.safetensors")`` and
-``load_energy_gates(model, "gates.safetensors")``, which refuses a file made for another model.
+``load_energy_gates(model, "gates.safetensors")``, which refuses a file made for another model and leaves the model
+unchanged when it refuses.
 """
 
+from ..peft_integration import load_gated_adapter
 from .config import EnergyGateConfig
 from .model import (
     add_energy_gates,
@@ -44,6 +50,7 @@ __all__ = [
     "add_energy_gates",
     "gated_attention_modules",
     "has_energy_gates",
+    "load_gated_adapter",
     "load_energy_gates",
     "mark_only_gates_trainable",
     "register_energy_gated_models",

@@ -49,6 +49,13 @@ class ChiarConfig(PreTrainedConfig):
     routed / attention, d = 256, 4 heads, context 256, GPT-2 BPE vocabulary, post-LN, threshold routing between
     DCT mixing and attention.
 
+    Every value is checked when the config is built: a wrong type raises huggingface_hub's
+    `StrictDataclassFieldValidationError` (as for every transformers config); a NaN, an infinite or out-of-range
+    value, and a routing setting the layout would ignore (thresholds on non-routed layers or with a learned
+    router, `tau_lo`/`tau_hi` with 2 routed operators, router settings without routed layers) raise a `ValueError`
+    naming the field and the value. Loading a config.json that lacks one of these fields or has keys that are no
+    field logs a warning naming them.
+
     Args:
         vocab_size (`int`): Number of token ids (GPT-2 BPE: 50257).
         max_position_embeddings (`int`): Context length. Positions use RoPE, so this only sizes the learned /

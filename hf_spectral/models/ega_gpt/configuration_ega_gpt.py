@@ -48,6 +48,13 @@ class EGAConfig(PreTrainedConfig):
     Configuration of an EGA-GPT model. Defaults are the authors' setup (SPEC 1.4): 6 layers, 8 heads,
     C = 256, context 256, 65 characters, dropout 0.1, init N(0, 0.02), EGA-1 gates in every layer.
 
+    Every value is checked when the config is built: a wrong type raises huggingface_hub's
+    `StrictDataclassFieldValidationError` (as for every transformers config); a NaN, an infinite or out-of-range
+    value, and a setting the chosen energy would ignore (e.g. `energy_projections=3` with `energy_kind="conv"`)
+    raise a `ValueError` naming the field and the value. Loading a config.json that lacks one of these fields (its
+    default then decides the computation) or has keys that are no field (e.g. a misspelt `energy_normalisation`)
+    logs a warning naming them.
+
     Args:
         vocab_size (`int`): Number of token ids.
         max_position_embeddings (`int`): Length of the learned absolute position table (the context).
@@ -69,15 +76,18 @@ class EGAConfig(PreTrainedConfig):
             = out₀² + out₁²), `"morlet"` (EGA-M / EGA-M-F: one-sided causal Morlet filters of the channel-mean
             signal), `"db2"` / `"db4"` (Daubechies high-pass filters at dyadic dilations).
         energy_projections (`int`): Number k of linear projections per head (EGA-k), each with its own gate.
+            Linear energies only (must stay 1 for the others).
         energy_scales (`list[int]`, *optional*): Kernel lengths for `conv` / `morlet` (default 3, 7, 15, 31),
             dilations for `db2` / `db4` (default 1, 2, 4, 8). Each scale has its own gate.
         morlet_learnable (`bool`): Learn ω₀ and σ of the Morlet filters (EGA-M) or keep them fixed (EGA-M-F).
+            Morlet energies only (must stay True for the others).
         energy_normalization (`str`): Statistics used to z-normalise the energies: `"causal"` (default; key j
             uses the non-padding positions ≤ j, so no future token can move a gate), `"window"` (the authors'
             statistics over the whole sequence: **sees future tokens** in a causal LM) or `"none"`.
-        energy_norm_eps (`float`): Lower bound on the standard deviation used for normalisation.
+        energy_norm_eps (`float`): Lower bound on the standard deviation used for normalisation (> 0; not
+            settable with `energy_normalization="none"`, which has no statistics).
         gate_tau_init (`float`): Initial gate threshold τ (authors: 0).
-        gate_alpha_init (`float`): Initial gate slope α (authors: 2). With α = 0 a gate is the identity.
+        gate_alpha_init (`float`): Initial gate slope α (authors: 2). With α = 0 a gate is the identity. Finite.
         classifier_pooling (`str`): Pooling of `EGAForSequenceClassification`: `"last"` (last non-padding
             token), `"mean"`, `"learned"` (softmax of learned per-position weights) or `"rmt_optimal"` (top
             eigenvector of an estimated position-correlation matrix, see `hf_spectral.rmt`).
