@@ -10,8 +10,6 @@ the result equals the ordinary forward pass (tested), so the two losses differ o
 import torch
 import torch.nn.functional as F
 
-from .models.ega_gpt.energy_gate import caching_derived_tensors
-
 
 @torch.no_grad()
 def leak_free_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -19,16 +17,15 @@ def leak_free_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache, steps = None, []
-    with caching_derived_tensors():  # the weights are fixed for the whole loop, as in generate()
-        for t in range(input_ids.shape[1]):
-            out = model(
-                input_ids=input_ids[:, t : t + 1],
-                attention_mask=attention_mask[:, : t + 1],
-                cache=cache,
-                use_cache=True,
-            )
-            cache = out.cache
-            steps.append(out.logits[:, -1:].float())
+    for t in range(input_ids.shape[1]):
+        out = model(
+            input_ids=input_ids[:, t : t + 1],
+            attention_mask=attention_mask[:, : t + 1],
+            cache=cache,
+            use_cache=True,
+        )
+        cache = out.cache
+        steps.append(out.logits[:, -1:].float())
     return torch.cat(steps, dim=1)
 
 

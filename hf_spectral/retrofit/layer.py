@@ -1,14 +1,16 @@
 """The layer the retrofit injects: a stock attention module that also carries an energy gate.
 
 `add_energy_gates` gives each targeted attention module an ``energy_gate`` child (the same `EnergyGate` EGA-GPT
-uses) and mixes `EnergyGatedAttentionMixin` into its class. The stock ``forward`` still runs unchanged; around
-it the mixin
+uses, ``ops/energy_gate.py``) and mixes `EnergyGatedAttentionMixin` into its class. The stock ``forward`` still
+runs unchanged; around it the mixin
 
 1. computes the gate's logit bias for the new keys from the attention input (the normalised hidden states);
-2. hands the stock forward a `GatedKVCache` that folds bias and gate state into the new keys/values before they
-   reach the real KV cache (so the cache keeps every key's bias, as in EGA-GPT);
-3. routes the attention call through ``energy_gated_<backend>``, which pads the queries to match and drops the
-   extra output channels, then calls the backend the model uses (eager, sdpa, flex_attention, ...).
+2. without a KV cache, hands the bias to the attention call as a keyword argument; with one, hands the stock
+   forward a `GatedKVCache` that folds bias and gate state into the new keys/values before they reach the real
+   cache (so the cache keeps every key's bias, as in EGA-GPT);
+3. routes the attention call through ``energy_gated_<backend>``, which runs the shared gated attention
+   (``ops/gated_attention.py``) on the backend the model uses: eager adds the bias to the scores, flex_attention
+   adds it in a ``score_mod``, SDPA (and any other backend) reads it from a folded query/key channel.
 
 Step 3 needs the module to see a different attention-implementation name from the model: the module's ``config``
 becomes an `AttentionConfigView`. The model's own config, and with it mask creation, stays untouched, so a
@@ -17,18 +19,19 @@ later ``model.set_attn_implementation(...)`` keeps working.
 
 import copy
 import inspect
-import sys
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..models.ega_gpt.energy_gate import (
+from ..ops.energy_gate import padding_mask
+from ..ops.gated_attention import (
+    attention_with_key_bias,
     cached_gate_state,
     fold_bias_into_kv,
-    pad_query_for_bias,
-    padding_mask,
+    folded_attention,
+    folded_head_size,
     replace_folded_bias,
 )
 
@@ -36,14 +39,18 @@ GATED_PREFIX = "energy_gated_"
 
 
 def _gated_attention_function(backend: str):
-    def energy_gated_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        width = key.shape[-1] - query.shape[-1]  # channels `GatedKVCache` appended to the keys
+    def energy_gated_attention(
+        module, query, key, value, attention_mask, scaling=None, dropout=0.0, energy_gate_bias=None,
+        energy_gate_folded=False, **kwargs,
+    ):
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        if width > 0:
-            query = pad_query_for_bias(query, width, scaling)
-        attention = module.stock_eager_attention if backend == "eager" else ALL_ATTENTION_FUNCTIONS[backend]
-        output, weights = attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        return (output[..., : output.shape[-1] - width] if width > 0 else output), weights
+        if energy_gate_folded:  # keys/values from the KV cache, bias in channel head_dim
+            return folded_attention(
+                module, backend, query, key, value, query.shape[-1], attention_mask, scaling, dropout, **kwargs
+            )
+        return attention_with_key_bias(
+            module, backend, query, key, value, energy_gate_bias, attention_mask, scaling, dropout, **kwargs
+        )
 
     energy_gated_attention.__name__ = f"energy_gated_{backend.replace('|', '_')}_attention"
     return energy_gated_attention
@@ -57,7 +64,7 @@ def gated_attention_name(backend: str | None) -> str:
         if backend != "eager" and backend not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(f"energy gates cannot wrap the attention implementation {backend!r}")
         AttentionInterface.register(name, _gated_attention_function(backend))
-        if backend in ALL_MASK_ATTENTION_FUNCTIONS:  # in case a model config ever carries the wrapped name
+        if backend in ALL_MASK_ATTENTION_FUNCTIONS:  # padded batches keep their mask if a config carries this name
             AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[backend])
     return name
 
@@ -91,19 +98,20 @@ class AttentionConfigView:
 class GatedKVCache:
     """Stands in for the KV cache during one gated attention call.
 
-    ``update`` folds the gate's bias and per-key state into the new keys/values, stores them in the real cache
-    (if any) and returns the full keys/values, exactly as `EGAAttention` does in EGA-GPT.
+    ``update`` folds the gate's bias and per-key state into the new keys/values, stores them in the real cache and
+    returns the full folded keys/values, exactly as `EGAAttention` does in EGA-GPT.
     """
 
-    def __init__(self, cache, bias, state, head_dim, rebias_all_keys):
-        self.cache, self.bias, self.state = cache, bias, state
-        self.head_dim, self.rebias_all_keys = head_dim, rebias_all_keys
+    def __init__(self, cache, bias, state, head_dim):
+        self.cache, self.bias, self.state, self.head_dim = cache, bias, state, head_dim
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        key, value = fold_bias_into_kv(key, value, self.bias[..., -key.shape[2] :], self.state)
-        if self.cache is not None:
-            key, value = self.cache.update(key, value, layer_idx, *args, **kwargs)
-        if self.rebias_all_keys:
+        new_keys = key.shape[2]
+        extra = 0 if self.state is None else self.state.shape[-1]
+        width = folded_head_size(self.head_dim, extra, key.device)
+        key, value = fold_bias_into_kv(key, value, self.bias[..., -new_keys:], self.state, width)
+        key, value = self.cache.update(key, value, layer_idx, *args, **kwargs)
+        if self.bias.shape[-1] != new_keys:  # window statistics: every cached key's bias moved with the window
             key = replace_folded_bias(key, self.bias, self.head_dim)
         return key, value
 
@@ -136,8 +144,11 @@ class EnergyGatedAttentionMixin:
             keep = torch.zeros(bias.shape[1], device=bias.device, dtype=bias.dtype)
             keep[self.energy_gate_heads] = 1
             bias = bias * keep[:, None]
-        rebias = bias.shape[-1] != hidden_states.shape[1]
-        kwargs["cache"] = GatedKVCache(cache, bias, state, self.head_dim, rebias)
+        if cache is None:
+            kwargs["energy_gate_bias"] = bias
+        else:
+            kwargs["cache"] = GatedKVCache(cache, bias, state, self.head_dim)
+            kwargs["energy_gate_folded"] = True
         return super().forward(*args, **kwargs)
 
 
@@ -152,15 +163,12 @@ def _signature_without_self(function) -> inspect.Signature:
 def gated_attention_class(stock_class: type) -> type:
     """``EnergyGated<StockAttention>``: the stock class with `EnergyGatedAttentionMixin` in front (cached)."""
     if stock_class not in _GATED_ATTENTION_CLASSES:
-        stock_module = sys.modules[stock_class.__module__]
         gated = type(
             f"EnergyGated{stock_class.__name__}",
             (EnergyGatedAttentionMixin, stock_class),
             {
                 "stock_class": stock_class,
                 "stock_signature": _signature_without_self(stock_class.forward),
-                # The model family's own eager function (GQA handling differs between families).
-                "stock_eager_attention": staticmethod(stock_module.eager_attention_forward),
                 "__module__": __name__,
             },
         )
@@ -185,4 +193,3 @@ def set_token_mask_hook():
             attention.energy_gate_token_mask = token_mask
 
     return hook
-

@@ -1,25 +1,26 @@
-"""The energy-gate tensor functions (hf_spectral/models/ega_gpt/energy_gate.py) against direct computations."""
+"""The energy-gate tensor functions and module (hf_spectral/ops/energy_gate.py) against direct computations."""
 
 import math
+import sys
 
 import numpy as np
 import pytest
 import pywt
 import torch
 
-from hf_spectral.models.ega_gpt.energy_gate import (
-    DerivedTensors,
+from hf_spectral.ops.energy_gate import (
     EnergyGate,
-    caching_derived_tensors,
     causal_filter,
+    causal_zscore,
     daubechies_kernels,
-    fold_bias_into_qkv,
     log_gate_bias,
     morlet_kernels,
     normalize_energy,
-    causal_zscore,
-    folded_output_weight,
-    folded_qkv_weights,
+    pack_state,
+    padding_mask,
+    state_channels,
+    token_weight,
+    unpack_state,
 )
 
 
@@ -69,15 +70,37 @@ def test_window_normalisation_uses_every_valid_position():
 
 
 def test_running_moments_continue_across_chunks():
-    """Moments carried from a past chunk (as the KV cache carries them) give the whole sequence's z-scores."""
+    """Moments carried from a past chunk (as the KV cache carries them) give the whole sequence's z-scores; one new
+    position at a time is the same function (Welford's update)."""
     energy, valid = _padded_energy(length=13)
-    z, mean, m2 = causal_zscore(energy, valid)
+    z, count, mean, m2 = causal_zscore(energy, token_weight(valid))
     for split in (1, 5, 12):
-        past = (valid[:, :split].sum(-1), mean[..., split - 1 : split], m2[..., split - 1 : split])
-        z2, mean2, m2_2 = causal_zscore(energy[..., split:], valid[:, split:], past)
+        past = (count[..., split - 1 : split], mean[..., split - 1 : split], m2[..., split - 1 : split])
+        z2, count2, mean2, m2_2 = causal_zscore(energy[..., split:], token_weight(valid[:, split:]), past)
         torch.testing.assert_close(z2, z[..., split:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(count2, count[..., split:], atol=0, rtol=0)
         torch.testing.assert_close(mean2, mean[..., split:], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(m2_2, m2[..., split:], atol=1e-4, rtol=1e-5)
+    # token by token, as decoding runs it
+    past, pieces = None, []
+    for t in range(energy.shape[-1]):
+        step = causal_zscore(energy[..., t : t + 1], token_weight(valid[:, t : t + 1]), past)
+        pieces.append(step[0])
+        past = step[1:]
+    torch.testing.assert_close(torch.cat(pieces, -1), z, atol=1e-5, rtol=1e-5)
+
+
+def test_one_step_updates_stay_accurate_over_long_sequences():
+    """1,024 float32 steps far from zero (|mean| ≫ std) agree with a float64 reference within float32 precision."""
+    generator = torch.Generator().manual_seed(7)
+    energy = torch.randn(1, 2, 1, 1024, generator=generator, dtype=torch.float64) * 0.5 + 300.0
+    past, pieces = None, []
+    for t in range(1024):
+        step = causal_zscore(energy[..., t : t + 1].float(), None, past)
+        pieces.append(step[0])
+        past = step[1:]
+    reference = causal_zscore(energy, None)[0]
+    torch.testing.assert_close(torch.cat(pieces, -1).double(), reference, atol=2e-3, rtol=0)
 
 
 def test_unknown_normalisation_is_refused():
@@ -104,94 +127,36 @@ def test_gate_bias_is_exactly_zero_when_alpha_is_zero():
     assert torch.all(gate == 0.5)
 
 
-@pytest.mark.parametrize("width", [1, 3])
-def test_folded_bias_equals_gating_and_renormalising_the_attention(width):
-    """softmax(q'k'ᵀ·s) over folded q/k equals A_ij g_j / Σ_k A_ik g_k computed the long way."""
-    generator = torch.Generator().manual_seed(2)
-    batch, heads, length, dim = 2, 3, 6, 4
-    q, k, v = (torch.randn(batch, heads, length, dim, generator=generator, dtype=torch.float64) for _ in range(3))
-    gate = torch.rand(batch, heads, length, generator=generator, dtype=torch.float64) * 0.98 + 0.01
-    scaling = dim**-0.5
-    aux = torch.randn(batch, heads, length, width, generator=generator, dtype=torch.float64) if width > 1 else None
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-
-    attention = torch.softmax((q @ k.transpose(-1, -2) * scaling).masked_fill(~causal, -math.inf), -1)
-    gated = attention * gate[:, :, None, :]
-    expected = (gated / gated.sum(-1, keepdim=True)) @ v
-
-    q2, k2, v2 = fold_bias_into_qkv(q, k, v, torch.log(gate), scaling, aux)
-    assert q2.shape[-1] == k2.shape[-1] == v2.shape[-1] == dim + width
-    folded = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, is_causal=True, scale=scaling)
-    torch.testing.assert_close(folded[..., :dim], expected)
-    if aux is not None:  # the extra value channels carry the aux state through unchanged in the cache
-        torch.testing.assert_close(v2[..., dim:], aux)
+def test_gate_bias_is_exactly_zero_for_heads_whose_alpha_is_zero_and_still_has_gradients():
+    z = torch.randn(2, 3, 2, 5) * 10
+    alpha = torch.zeros(3, 2)
+    alpha[2] = 1.0  # the last head is gated
+    alpha.requires_grad_()
+    bias, _ = log_gate_bias(z, torch.randn(3, 2), alpha, torch.randn(3, 2))
+    assert torch.all(bias[:, :2] == 0) and torch.all(bias[:, 2] != 0)
+    (bias * torch.randn_like(bias)).sum().backward()
+    assert torch.all(alpha.grad[:2] != 0)  # the exact zero does not cut α off from training
 
 
-@pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("width", [1, 3])
-def test_projections_in_the_folded_layout_equal_folding_after_projecting(width, with_bias):
-    """The fused path (padded weights, bias and state written in place) gives fold_bias_into_qkv's q', k', v' and,
-    after attention, the same output projection as cutting the extra channels off first."""
-    generator = torch.Generator().manual_seed(4)
-    batch, length, heads, dim = 2, 5, 3, 4
-    hidden = heads * dim
-    x = torch.randn(batch, length, hidden, generator=generator, dtype=torch.float64)
-    c_attn = torch.nn.Linear(hidden, 3 * hidden, bias=with_bias, dtype=torch.float64)
-    c_proj = torch.nn.Linear(hidden, hidden, bias=with_bias, dtype=torch.float64)
-    bias = torch.randn(batch, heads, length, generator=generator, dtype=torch.float64)
-    aux = torch.randn(batch, heads, length, width, generator=generator, dtype=torch.float64) if width > 1 else None
-    scaling = dim**-0.5
-
-    q, k, v = (t.view(batch, length, heads, dim).transpose(1, 2) for t in c_attn(x).split(hidden, dim=2))
-    expected = fold_bias_into_qkv(q, k, v, bias, scaling, aux)
-
-    energy = torch.nn.Linear(hidden, heads * 2, bias=with_bias, dtype=torch.float64)
-    weight, padded_bias = folded_qkv_weights(
-        c_attn.weight, c_attn.bias, heads, dim, width, scaling, energy.weight, energy.bias
-    )
-    projected = torch.nn.functional.linear(x, weight, padded_bias)
-    columns = 3 * heads * (dim + width)
-    torch.testing.assert_close(projected[..., columns:], energy(x))  # the appended rows compute the energies
-    qkv = projected[..., :columns].view(batch, length, 3, heads, dim + width)
-    qkv[:, :, 1, :, dim] = bias.transpose(1, 2)
-    if aux is not None:
-        qkv[:, :, 2, :, dim:] = aux.transpose(1, 2)
-    for got, want in zip(qkv.permute(2, 0, 3, 1, 4).unbind(0), expected):
-        torch.testing.assert_close(got, want)
-
-    out = torch.randn(batch, length, heads, dim + width, generator=generator, dtype=torch.float64)
-    torch.testing.assert_close(
-        torch.nn.functional.linear(out.reshape(batch, length, -1), folded_output_weight(c_proj.weight, heads, width),
-                                   c_proj.bias),
-        c_proj(out[..., :dim].reshape(batch, length, hidden)),
-    )
+def test_float32_state_survives_a_16_bit_cache_bit_for_bit():
+    state = torch.randn(2, 3, 5, 7) * 1e3
+    for dtype, channels in ((torch.bfloat16, 14), (torch.float16, 14), (torch.float32, 7), (torch.float64, 7)):
+        packed = pack_state(state, dtype)
+        assert packed.dtype == dtype and packed.shape[-1] == channels == state_channels(7, dtype)
+        # caches copy, reorder and slice: the bits survive
+        moved = torch.cat([packed, packed])[torch.tensor([3, 0])][:, :, 1:4].clone()
+        assert torch.equal(unpack_state(moved), torch.cat([state, state])[torch.tensor([3, 0])][:, :, 1:4])
 
 
-def test_derived_tensors_are_kept_only_inside_the_caching_block_and_follow_their_sources():
-    weight = torch.nn.Parameter(torch.randn(3, 2))
-    derived, builds = DerivedTensors(), []
-
-    def build():
-        builds.append(1)
-        return weight * 2
-
-    with torch.no_grad():
-        assert derived.get(build, "key", weight) is not derived.get(build, "key", weight)  # outside: never kept
-        assert len(builds) == 2
-        with caching_derived_tensors():
-            first = derived.get(build, "key", weight)
-            assert derived.get(build, "key", weight) is first and len(builds) == 3
-            assert derived.kept("key") is first and derived.kept("other key") is DerivedTensors.MISSING
-            second = derived.get(build, "other key", weight)
-            assert second is not first and len(builds) == 4 and derived.kept("other key") is second
-            weight.add_(1.0)  # an in-place update: the version counter moves
-            assert derived.kept("other key") is DerivedTensors.MISSING
-            torch.testing.assert_close(derived.get(build, "other key", weight), weight * 2)
-            weight.data = torch.zeros(3, 2)  # replaced storage (e.g. .to() / .half())
-            assert torch.all(derived.get(build, "other key", weight) == 0) and len(builds) == 6
-            with torch.enable_grad():  # autograd on: derived again, differentiable
-                assert derived.get(build, "other key", weight).requires_grad and len(builds) == 7
-        assert derived.derived is None and derived.kept("other key") is DerivedTensors.MISSING  # dropped on leaving
+def test_padding_mask_reads_2d_and_4d_masks():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert torch.equal(padding_mask(mask), mask.bool())
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    four_d = (causal[None, None] & mask.bool()[:, None, None, :])
+    assert torch.equal(padding_mask(four_d, 4), mask.bool())
+    additive = torch.where(four_d, 0.0, torch.finfo(torch.float32).min)
+    assert torch.equal(padding_mask(additive, 4), mask.bool())
+    assert padding_mask(None) is None
 
 
 def test_causal_filter_matches_direct_convolution():
@@ -231,24 +196,59 @@ def test_ega1_has_260_parameters_per_head_at_c256():
     assert sum(p.numel() for p in gate.parameters()) == 260 * 8
 
 
+@pytest.mark.parametrize("normalization", ["causal", "window", "none"])
 @pytest.mark.parametrize("kind", ["linear", "conv", "morlet", "db2", "db4"])
-def test_gate_is_causal_and_incremental_for_every_energy(kind):
-    """Energies, gates and cached state computed step by step equal the full-sequence computation."""
+def test_gate_is_causal_and_incremental_for_every_energy(kind, normalization):
+    """Gates and cached state computed step by step (with left padding) equal the full-sequence computation."""
     torch.manual_seed(4)
-    gate = EnergyGate(16, 2, kind=kind, projections=2, scales=None if kind == "linear" else [3, 5], alpha_init=1.5)
+    gate = EnergyGate(16, 2, kind=kind, projections=2, scales=None if kind == "linear" else [3, 5], alpha_init=1.5,
+                      normalization=normalization)
     x = torch.randn(2, 12, 16)
-    bias, values, aux = gate(x, return_aux=True)
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[0, :3] = False
+    bias, values, aux = gate(x, valid, return_aux=True)
     state, pieces = None, []
     for t in range(12):
-        step_bias, _, step_aux = gate(x[:, t : t + 1], past_aux=state, return_aux=True)
+        step_bias, _, step_aux = gate(x[:, t : t + 1], valid[:, : t + 1], past_aux=state, return_aux=True)
+        if step_aux is None:  # nothing to keep; a cache still counts the keys
+            step_aux = x.new_zeros(2, 2, 1, 0)
         state = step_aux if state is None else torch.cat([state, step_aux], dim=2)
-        pieces.append(step_bias)
-    torch.testing.assert_close(torch.cat(pieces, -1), bias, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(state, aux, atol=1e-6, rtol=1e-6)
+        pieces.append(step_bias[..., -1:])
+    if aux is not None:
+        torch.testing.assert_close(state, aux, atol=1e-5, rtol=1e-5)
+    if normalization == "window":  # each step re-normalises every key over the grown window: the last sees all
+        torch.testing.assert_close(step_bias * valid[:, None], bias * valid[:, None], atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(torch.cat(pieces, -1) * valid[:, None], bias * valid[:, None], atol=1e-5, rtol=1e-5)
     # Changing the future leaves past gates untouched.
     changed = x.clone()
     changed[:, 7:] = torch.randn(2, 5, 16)
-    torch.testing.assert_close(gate(changed)[0][..., :7], bias[..., :7], atol=0, rtol=0)
+    torch.testing.assert_close(gate(changed, valid)[0][..., :7], bias[..., :7], atol=0, rtol=0)
+
+
+def test_a_bfloat16_gate_keeps_float32_statistics_through_its_cache():
+    """1,024 bfloat16 tokens fed one at a time: the running moments live in the cache as float32 bits, so the gates
+    stay within 0.02 of a float32 gate on the same inputs."""
+    torch.manual_seed(5)
+    gate = EnergyGate(32, 4, kind="linear", projections=2, alpha_init=2.0)
+    x = torch.randn(1, 1024, 32) + 1.0
+    with torch.no_grad():
+        _, reference, _ = gate(x)
+        low = gate.to(torch.bfloat16)
+        x_low = x.to(torch.bfloat16)
+        state, values = None, []
+        for t in range(1024):
+            _, step_gate, step_aux = low(x_low[:, t : t + 1], past_aux=state, return_aux=True)
+            assert step_aux.dtype == torch.bfloat16
+            state = step_aux if state is None else torch.cat([state, step_aux], dim=2)
+            values.append(step_gate)
+    assert (torch.cat(values, -1) - reference).abs().max() < 0.02
+
+
+def test_daubechies_energies_name_the_extra_when_pywavelets_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pywt", None)
+    with pytest.raises(ImportError, match=r'pip install "hf_spectral\[wavelets\]"'):
+        EnergyGate(16, 2, kind="db2", scales=[1, 2])
 
 
 @pytest.mark.parametrize("mode", ["causal", "window"])

@@ -1,0 +1,537 @@
+"""Energy gate (SPEC 1.1-1.3): per-key energies, their normalisation, and the gate as a log-logit bias.
+
+The gate of head h on key j is g_j = Σ_s softmax(m)_s σ(α_s (ẽ_j,s − τ_s)), with ẽ the normalised energy of the
+key's input x_j at scale s. Gating then renormalising the attention probabilities,
+Â_ij = A_ij g_j / Σ_k A_ik g_k, equals softmax_j(s_ij + log g_j): the gate is an additive, query-independent
+per-key logit bias, and no T×T gated matrix is ever built (``gated_attention.py`` adds the bias inside the
+attention backends).
+
+This file holds the pure tensor functions and the ``EnergyGate`` module that owns the gate's parameters:
+
+* energies: linear (EGA-1/2/4), causal convolution (EGA-C), one-sided Morlet filters (EGA-M, EGA-M-F),
+  Daubechies high-pass filters (EGA-DB2/DB4; PyWavelets, imported only when those are built);
+* statistics: ``causal`` (running moments over the valid prefix: one function, ``causal_zscore``, serves the full
+  pass and every cached step), ``window`` (over the whole sequence: sees the future) and ``none``;
+* the log-gate bias, exactly 0 when α = 0, so that a fresh gate is an exact identity;
+* what a KV cache must keep per key so that a later step continues exactly where the full pass would be: the
+  running count, mean and M2 (``causal``) or the raw energies (``window``), stored as float32 whatever the
+  activation dtype (``pack_state``), then the filter history of the convolutional energies.
+
+Dropout: the bias form gates and renormalises *before* attention dropout (dropout then acts on the gated
+probabilities); the authors gate after dropout. The two agree exactly when attention dropout is 0.
+
+Shapes: B batch, H gate heads, S energy scales, T positions, C hidden size.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NORMALIZATIONS = ("causal", "window", "none")
+ENERGY_KINDS = ("linear", "conv", "morlet", "db2", "db4")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Statistics
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def causal_zscore(
+    energy: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    past: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal z-scores from running moments: position j uses the mean and unbiased std of the valid energies at
+    positions ≤ j (z = 0 while fewer than two were seen, and at padding).
+
+    The same arithmetic serves a whole sequence and one cached decoding step. Values are shifted by a reference
+    before the running sums — the first valid energy of the chunk while no token was seen, the running mean after —
+    which keeps Σx² − (Σx)²/n clear of cancellation when |mean| ≫ std; for one new position after a past it is
+    exactly Welford's update.
+
+    Args:
+        energy: (B, H, S, T) float32 energies of the new positions.
+        weight: (B, 1, 1, T) float 1 at tokens, 0 at padding; ``None`` when every position is a token.
+        past: ``(count (B, H, 1, 1), mean (B, H, S, 1), m2 (B, H, S, 1))`` after all earlier positions (what
+            this function returned at the last of them), or ``None`` at the start of a sequence.
+        eps: lower bound on the standard deviation.
+
+    Returns:
+        z (B, H, S, T), and the running count (B, H, 1, T), mean and M2 (B, H, S, T) at each position — the state
+        a later step continues from. All float32.
+    """
+    if weight is None:
+        weight = energy.new_ones(1, 1, 1, energy.shape[-1])
+    first = weight.argmax(-1, keepdim=True).expand(*energy.shape[:-1], 1)  # the first token of each row
+    shift = energy.gather(-1, first)
+    if past is None:
+        past_count, past_m2 = energy.new_zeros(1, 1, 1, 1), energy.new_zeros(1, 1, 1, 1)
+    else:  # after a past, shift by its mean: the past then adds only its count and M2 (Chan et al.'s merge)
+        past_count, past_mean, past_m2 = past
+        shift = torch.where(past_count > 0, past_mean, shift)
+    x = (energy - shift) * weight
+    count = past_count + weight.cumsum(-1)
+    safe_count = count.clamp(min=1)
+    s1 = x.cumsum(-1)
+    m2 = (past_m2 + x.square().cumsum(-1) - s1.square() / safe_count).clamp(min=0)
+    std = (m2 / (count - 1).clamp(min=1)).clamp(min=eps * eps).sqrt()
+    z = (x - s1 / safe_count) / std * ((count >= 2) & (weight > 0))
+    mean = torch.where(count > 0, shift + s1 / safe_count, 0.0)  # no token yet: a defined state, whatever the chunking
+    return z, count.expand(*energy.shape[:2], 1, -1), mean, m2
+
+
+def window_zscore(energy: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """The authors' statistics: every position uses the mean and unbiased std of all valid positions of its row
+    (which sees the future). energy (B, H, S, T) float32, weight (B, 1, 1, T) or ``None``; returns z, 0 at padding."""
+    if weight is None:
+        weight = energy.new_ones(1, 1, 1, energy.shape[-1])
+    count = weight.sum(-1, keepdim=True)
+    mean = (energy * weight).sum(-1, keepdim=True) / count.clamp(min=1)
+    variance = ((energy - mean).square() * weight).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
+    return (energy - mean) / variance.clamp(min=eps * eps).sqrt() * ((count >= 2) & (weight > 0))
+
+
+def token_weight(valid: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, T) bool padding mask -> (B, 1, 1, T) float32 weights broadcasting against (B, H, S, T)."""
+    return None if valid is None else valid[:, None, None, :].float()
+
+
+def normalize_energy(
+    energy: torch.Tensor, valid: torch.Tensor | None = None, mode: str = "causal", eps: float = 1e-5
+) -> torch.Tensor:
+    """z-normalise energies (B, H, S, T) along time, ignoring padding (``valid`` (B, T) bool, False at padding).
+
+    ``mode``: ``"causal"`` (``causal_zscore``: no later token can change a position), ``"window"``
+    (``window_zscore``: sees the future) or ``"none"`` (energies unchanged). Returns float32, 0 at padding.
+    """
+    energy, weight = energy.float(), token_weight(valid)
+    if mode == "causal":
+        return causal_zscore(energy, weight, eps=eps)[0]
+    if mode == "window":
+        return window_zscore(energy, weight, eps)
+    if mode == "none":
+        return energy if weight is None else energy * weight
+    raise ValueError(f"unknown energy normalisation {mode!r}; expected one of {NORMALIZATIONS}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The gate
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def log_gate_bias(
+    z: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, mix_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate values and their log as an attention-logit bias.
+
+    Args:
+        z: (B, H, S, T) normalised energies.
+        tau, alpha, mix_logits: (H, S) thresholds, slopes and scale-mixing logits.
+
+    Returns:
+        bias: (B, H, T) float32, log g_j − log g(ẽ = 0). The subtracted per-head constant does not change the
+            softmax; it makes the bias 0 when α = 0, and for a head whose α are all exactly 0 the bias is exactly 0
+            (its rounding residue is subtracted as a constant, so gradients still reach α): a fresh gate is an
+            exact identity on any CPU.
+        gate: (B, H, T) the gate values g_j ∈ (0, 1).
+    """
+    alpha, tau = alpha.float()[..., None], tau.float()[..., None]  # (H, S, 1)
+    log_gate = F.logsigmoid(alpha * (z - tau))  # (B, H, S, T)
+    log_gate_at_mean = F.logsigmoid(alpha * -tau)  # (H, S, 1)
+    if z.shape[-2] == 1:  # one scale: the mixture is the gate itself
+        log_gate, log_gate_at_mean = log_gate[:, :, 0], log_gate_at_mean[:, 0]
+    else:
+        log_mix = torch.log_softmax(mix_logits.float(), dim=-1)[..., None]
+        log_gate = torch.logsumexp(log_mix + log_gate, dim=-2)
+        log_gate_at_mean = torch.logsumexp(log_mix + log_gate_at_mean, dim=-2)
+    bias = log_gate - log_gate_at_mean
+    identity = (alpha == 0).all(dim=-2)  # (H, 1): every scale of the head has α = 0
+    return bias - bias.detach() * identity, log_gate.exp()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-key state in a KV cache
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def state_channels(floats: int, dtype: torch.dtype) -> int:
+    """Channels of ``dtype`` that hold ``floats`` float32 values bit for bit (``pack_state``)."""
+    return floats * 4 // dtype.itemsize if dtype.itemsize < 4 else floats
+
+
+def pack_state(state: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 state (…, F) -> (…, ``state_channels(F, dtype)``) of ``dtype``: the float32 bits reinterpreted
+    in 16-bit dtypes (a bfloat16 KV cache then keeps running moments at full float32 precision), cast otherwise.
+    Caches only copy, reorder and slice what they hold, which keeps the bits."""
+    state = state.float()
+    if dtype.itemsize < 4:
+        return state.contiguous().view(dtype)
+    return state.to(dtype)
+
+
+def unpack_state(channels: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_state``: (…, channels) of the cache's dtype -> float32 (…, F)."""
+    if channels.dtype.itemsize < 4:
+        return channels.contiguous().view(torch.float32)
+    return channels.float()
+
+
+def padding_mask(mask, length: int | None = None) -> torch.Tensor | None:
+    """The (batch, past + new) bool padding mask (True at tokens) behind an ``attention_mask``: a 2D mask as given;
+    a 4D mask (batch, 1, queries, keys), bool or additive, read from its last query row, which sees every earlier
+    token: its first ``length`` columns, or up to the last column that row sees; a dict of masks (one per layer
+    type) through its first entry; ``None`` for anything else."""
+    if isinstance(mask, dict):
+        mask = next((m for m in mask.values() if m is not None), None)
+    if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 4):
+        return None
+    if mask.ndim == 2:
+        return mask.bool()
+    seen = mask[:, 0, -1]
+    seen = seen if seen.dtype == torch.bool else seen == 0
+    return seen[:, : int(seen.any(0).nonzero().max()) + 1 if length is None else length]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Filters
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def causal_filter(signal: torch.Tensor, kernels: torch.Tensor) -> torch.Tensor:
+    """One-sided causal filtering: out[..., c, t] = Σ_u kernels[c, u] · signal[..., t − u] (zero before t = 0).
+
+    Args:
+        signal: (B, T) one scalar per position.
+        kernels: (K, L) filter taps, tap u applied at lag u.
+
+    Returns:
+        (B, K, T).
+    """
+    length = kernels.shape[-1]
+    padded = F.pad(signal[:, None, :], (length - 1, 0))
+    return F.conv1d(padded, kernels.flip(-1)[:, None, :].to(signal.dtype))
+
+
+def morlet_kernels(omega: torch.Tensor, sigma: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Real and imaginary one-sided Morlet taps, t = 0..L−1: cos/sin(ω₀ t)·exp(−t²/2σ²), zero for t ≥ L.
+
+    Args:
+        omega, sigma: (H, S) centre frequencies and envelope widths.
+        lengths: the S kernel lengths L_s.
+
+    Returns:
+        (H, S, 2, max L) taps.
+    """
+    t = torch.arange(max(lengths), dtype=omega.dtype, device=omega.device)
+    inside = (t[None, :] < torch.tensor(lengths, device=omega.device)[:, None]).to(omega.dtype)  # (S, L)
+    envelope = torch.exp(-t.square() / (2 * sigma[..., None].square())) * inside
+    phase = omega[..., None] * t
+    return torch.stack([torch.cos(phase) * envelope, torch.sin(phase) * envelope], dim=-2)
+
+
+def daubechies_kernels(wavelet: str, dilations: list[int]) -> torch.Tensor:
+    """Decomposition high-pass taps of ``wavelet`` (PyWavelets) dilated by each factor: (S, max length)."""
+    try:
+        import pywt
+    except ImportError as error:
+        raise ImportError(
+            f"the {wavelet} energies (EGA-DB2 / EGA-DB4) need PyWavelets: pip install \"hf_spectral[wavelets]\""
+        ) from error
+    taps = torch.tensor(pywt.Wavelet(wavelet).dec_hi, dtype=torch.float64)
+    length = (len(taps) - 1) * max(dilations) + 1
+    kernels = torch.zeros(len(dilations), length, dtype=torch.float64)
+    for row, dilation in enumerate(dilations):
+        kernels[row, : (len(taps) - 1) * dilation + 1 : dilation] = taps
+    return kernels.float()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Energy functions: x (B, T, C) -> raw energies (B, H, S, T)
+#
+# Each one also says what a KV cache must remember per position to compute the energies of later positions
+# (``feature_width`` values per head, written by ``features``) and how far back it looks (``history``).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class LinearEnergy(nn.Module):
+    """EGA-1/2/4: e_j = w·x_j + b, one Linear(C→1) per head and projection."""
+
+    feature_width = 0
+    history = 0
+
+    def __init__(self, hidden_size: int, num_heads: int, projections: int = 1):
+        super().__init__()
+        self.num_heads, self.num_scales = num_heads, projections
+        self.proj = nn.Linear(hidden_size, num_heads * projections)
+
+    def forward(self, x, past_features=None):
+        return self.arrange(self.proj(x))
+
+    def arrange(self, projected):
+        """(B, T, H·S) outputs of ``proj`` -> (B, H, S, T)."""
+        batch, length, _ = projected.shape
+        return projected.view(batch, length, self.num_heads, self.num_scales).permute(0, 2, 3, 1)
+
+    def features(self, x):
+        return None
+
+
+class _WindowedEnergy(nn.Module):
+    """Energies computed from a window of past inputs; the cache keeps the last ``history`` inputs."""
+
+    def _with_history(self, new, past_features):
+        """Prepend the cached history (B, H, T_past, F) to ``new`` (B, T, ·), as ``self.features`` wrote it."""
+        if past_features is None:
+            return new, 0
+        past = self._unpack(past_features[:, :, -self.history :, :])
+        return torch.cat([past.to(new.dtype), new], dim=1), past.shape[1]
+
+
+class ConvEnergy(_WindowedEnergy):
+    """EGA-C: per head a causal Conv1d(C → 2, kernel k) per scale k; energy = out₀² + out₁²."""
+
+    def __init__(self, hidden_size: int, num_heads: int, kernel_sizes: list[int]):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} must be divisible by the number of gate heads {num_heads}")
+        self.num_heads, self.num_scales = num_heads, len(kernel_sizes)
+        self.kernel_sizes = list(kernel_sizes)
+        self.history = max(kernel_sizes) - 1
+        self.feature_width = hidden_size // num_heads  # each head stores its slice of x
+        self.convs = nn.ModuleList(nn.Conv1d(hidden_size, 2 * num_heads, k) for k in kernel_sizes)
+
+    def forward(self, x, past_features=None):
+        full, offset = self._with_history(x, past_features)
+        batch = x.shape[0]
+        energies = []
+        for kernel, conv in zip(self.kernel_sizes, self.convs):
+            out = conv(F.pad(full.transpose(1, 2), (kernel - 1, 0)))[..., offset:]
+            energies.append(out.view(batch, self.num_heads, 2, -1).square().sum(2))
+        return torch.stack(energies, dim=2)
+
+    def features(self, x):
+        return x.view(*x.shape[:2], self.num_heads, self.feature_width).transpose(1, 2)
+
+    def _unpack(self, features):
+        return features.transpose(1, 2).reshape(features.shape[0], features.shape[2], -1)
+
+
+class _SignalEnergy(_WindowedEnergy):
+    """Energies of the channel-mean signal s_t = mean_c x_t,c under a bank of one-sided causal filters."""
+
+    feature_width = 1
+
+    def forward(self, x, past_features=None):
+        signal, offset = self._with_history(x.mean(-1), past_features)
+        kernels = self.kernels()
+        responses = causal_filter(signal, kernels.flatten(0, -2))[..., offset:]
+        return self.energy_from(responses.view(x.shape[0], *kernels.shape[:-1], -1))
+
+    def features(self, x):
+        return x.mean(-1)[:, None, :, None].expand(-1, self.num_heads, -1, -1)
+
+    def _unpack(self, features):
+        return features[:, 0, :, 0]
+
+
+class MorletEnergy(_SignalEnergy):
+    """EGA-M / EGA-M-F: |Morlet response|² of the channel-mean signal, one scale per kernel length L.
+
+    ω₀ is initialised to π/L and σ to 5/ω₀; ω₀ is capped at 0.95π and σ kept ≥ 5/ω₀ (admissibility ω₀σ ≥ 5).
+    """
+
+    def __init__(self, num_heads: int, lengths: list[int], learnable: bool = True):
+        super().__init__()
+        self.num_heads, self.num_scales, self.lengths = num_heads, len(lengths), list(lengths)
+        self.history = max(lengths) - 1
+        omega, sigma = self.initial_omega_sigma()
+        if learnable:
+            self.omega, self.sigma = nn.Parameter(omega), nn.Parameter(sigma)
+        else:
+            self.register_buffer("omega", omega)
+            self.register_buffer("sigma", sigma)
+
+    def initial_omega_sigma(self) -> tuple[torch.Tensor, torch.Tensor]:
+        omega = torch.tensor([math.pi / length for length in self.lengths]).repeat(self.num_heads, 1)
+        return omega, 5.0 / omega
+
+    def kernels(self):
+        omega = self.omega.clamp(max=0.95 * math.pi)
+        sigma = torch.maximum(self.sigma, 5.0 / omega)
+        return morlet_kernels(omega, sigma, self.lengths)  # (H, S, 2, L)
+
+    def energy_from(self, responses):  # (B, H, S, 2, T)
+        return responses.square().sum(3)
+
+
+class DaubechiesEnergy(_SignalEnergy):
+    """EGA-DB2 / EGA-DB4 (our definition, SPEC 1.3): squared high-pass coefficients of the channel-mean signal
+    at dyadic dilations, one scale per dilation; taps from PyWavelets."""
+
+    def __init__(self, num_heads: int, wavelet: str, dilations: list[int]):
+        super().__init__()
+        self.num_heads, self.num_scales = num_heads, len(dilations)
+        self.register_buffer("taps", daubechies_kernels(wavelet, dilations), persistent=False)
+        self.history = self.taps.shape[-1] - 1
+
+    def kernels(self):
+        return self.taps[None, :, None, :]  # (1, S, 1, L): the same filters for every head
+
+    def energy_from(self, responses):  # (B, 1, S, 1, T)
+        return responses[:, :, :, 0].square().expand(-1, self.num_heads, -1, -1)
+
+
+def build_energy(kind, hidden_size, num_heads, projections=1, scales=None, morlet_learnable=True) -> nn.Module:
+    if kind == "linear":
+        return LinearEnergy(hidden_size, num_heads, projections)
+    if kind == "conv":
+        return ConvEnergy(hidden_size, num_heads, scales)
+    if kind == "morlet":
+        return MorletEnergy(num_heads, scales, learnable=morlet_learnable)
+    if kind in ("db2", "db4"):
+        return DaubechiesEnergy(num_heads, kind, scales)
+    raise ValueError(f"unknown energy kind {kind!r}; expected one of {ENERGY_KINDS}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The gate module
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class EnergyGate(nn.Module):
+    """Per-head energy gate of one attention layer: energies → normalisation → log-gate bias.
+
+    Parameters per head and scale: the energy function's, plus τ, α and one mixing logit (for EGA-1 at
+    C = 256: w (256) + b + τ + α + m = 260, SPEC 1.1).
+
+    ``forward`` returns ``(bias, gate, aux)``: the logit bias for the attention, the gate values (recorded by
+    ``output_gate_values=True``) and the per-key state for the KV cache (``None`` unless asked).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        kind: str = "linear",
+        projections: int = 1,
+        scales: list[int] | None = None,
+        normalization: str = "causal",
+        eps: float = 1e-5,
+        tau_init: float = 0.0,
+        alpha_init: float = 2.0,
+        morlet_learnable: bool = True,
+    ):
+        super().__init__()
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"unknown energy normalisation {normalization!r}; expected one of {NORMALIZATIONS}")
+        self.normalization, self.eps = normalization, eps
+        self.energy = build_energy(kind, hidden_size, num_heads, projections, scales, morlet_learnable)
+        shape = (num_heads, self.energy.num_scales)
+        self.tau = nn.Parameter(torch.full(shape, float(tau_init)))
+        self.alpha = nn.Parameter(torch.full(shape, float(alpha_init)))
+        self.mix_logits = nn.Parameter(torch.zeros(shape))
+
+    @property
+    def num_scales(self) -> int:
+        return self.energy.num_scales
+
+    @property
+    def state_floats(self) -> int:
+        """float32 values of normalisation state per key: running count, mean and M2 (causal), the raw energies
+        the window is recomputed from (window), nothing (none)."""
+        return {"causal": 1 + 2 * self.num_scales, "window": self.num_scales, "none": 0}[self.normalization]
+
+    def aux_width(self, dtype: torch.dtype) -> int:
+        """Channels of ``dtype`` per key that a KV cache carries for this gate: packed state, then features."""
+        return state_channels(self.state_floats, dtype) + self.energy.feature_width
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        past_aux: torch.Tensor | None = None,
+        return_aux: bool = False,
+    ):
+        """Gate the keys of ``x``.
+
+        Args:
+            x: (B, T, C) the attention layer's (normalised) input for the new positions.
+            valid: (B, T_past + T) bool, False at padding, or ``None``.
+            past_aux: (B, H, T_past, aux_width) what earlier calls returned as ``aux`` (from the KV cache).
+            return_aux: also return the per-key state of the new positions for the cache.
+
+        Returns:
+            bias: (B, H, T) float32; with ``window`` normalisation and a past, (B, H, T_past + T), because
+                every key's statistics change when the window grows.
+            gate: (B, H, T) gate values of the new positions.
+            aux: (B, H, T, aux_width) in ``x.dtype``, or ``None``.
+        """
+        length = x.shape[1]
+        past_length = 0 if past_aux is None else past_aux.shape[2]
+        if valid is not None and valid.shape[-1] != past_length + length:
+            raise ValueError(
+                f"the padding mask covers {valid.shape[-1]} positions but the gate sees {past_length + length} "
+                f"({past_length} cached + {length} new)"
+            )
+        new_valid = None if valid is None else valid[:, past_length:]
+        if self.energy.history and new_valid is not None:  # padding reads as silence: left padding changes nothing
+            x = x * new_valid[:, :, None].to(x.dtype)
+        width = state_channels(self.state_floats, x.dtype)
+        past_features = past_aux[..., width:] if past_length and self.energy.feature_width else None
+        energy = self.energy(x, past_features).float()
+        weight = token_weight(new_valid)
+
+        state = None
+        if self.normalization == "causal":
+            past = None
+            if past_length:
+                last = unpack_state(past_aux[:, :, -1, :width])  # (B, H, 1 + 2S) at the last cached key
+                past = (last[..., :1, None], last[..., 1 : 1 + self.num_scales, None], last[..., 1 + self.num_scales :, None])
+            z, count, mean, m2 = causal_zscore(energy, weight, past, self.eps)
+            state = torch.cat([count, mean, m2], dim=2)
+        elif self.normalization == "window":
+            state = energy
+            if past_length:  # every key is normalised again over the grown window
+                energy = torch.cat([unpack_state(past_aux[..., :width]).transpose(2, 3), energy], -1)
+                weight = token_weight(valid)
+            z = window_zscore(energy, weight, self.eps)
+        else:
+            z = energy if weight is None else energy * weight
+        bias, gate = log_gate_bias(z, self.tau, self.alpha, self.mix_logits)
+        if gate.shape[-1] != length:
+            gate = gate[..., -length:]
+        aux = None
+        if return_aux:
+            parts = [] if state is None else [pack_state(state.transpose(2, 3), x.dtype)]
+            features = self.energy.features(x)
+            if features is not None:
+                parts.append(features.to(x.dtype))
+            aux = torch.cat(parts, -1) if len(parts) > 1 else parts[0] if parts else None
+        return bias, gate, aux
+
+
+__all__ = [
+    "ENERGY_KINDS",
+    "NORMALIZATIONS",
+    "ConvEnergy",
+    "DaubechiesEnergy",
+    "EnergyGate",
+    "LinearEnergy",
+    "MorletEnergy",
+    "build_energy",
+    "causal_filter",
+    "causal_zscore",
+    "daubechies_kernels",
+    "log_gate_bias",
+    "morlet_kernels",
+    "normalize_energy",
+    "pack_state",
+    "padding_mask",
+    "state_channels",
+    "token_weight",
+    "unpack_state",
+    "window_zscore",
+]

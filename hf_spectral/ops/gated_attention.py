@@ -1,0 +1,342 @@
+"""Attention with an additive per-key logit bias (the energy gate's log g_j) through transformers' backends.
+
+softmax_j(q_i·k_j·scale + bias_j) is the attention whose probabilities are gated by g_j and renormalised. Each
+backend of ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` gets the bias in the form it runs fastest:
+
+* ``eager``: the bias is added to the scores (the returned probabilities are the gated, renormalised ones);
+* ``flex_attention``: a ``score_mod`` adds ``bias[b, h, kv_idx]`` (no extra channel), with transformers' compiled
+  flex kernel and the ``BlockMask`` its mask interface builds;
+* ``sdpa`` (and any other backend): the bias is *folded* into one more channel of queries and keys,
+  q' = [q, 1/scale, 0…], k' = [k, bias, 0…], v' = [v, 0…], so that q'·k'·scale = q·k·scale + bias and the fused
+  causal kernel stays in use. On CUDA the folded head is padded to a multiple of 8 channels, the shape the flash
+  and memory-efficient kernels accept, so SDPA never falls back to its math kernel.
+
+The KV cache stores keys and values folded: each key keeps its bias in channel ``head_dim`` and the gate's
+per-key state (``EnergyGate`` ``aux``) in the value channels after ``head_dim`` (their attention outputs are
+discarded). Beam search, cropping, left padding and ``StaticCache`` then need nothing special; a cache that drops
+or alters keys (sliding window past its window, quantisation) is refused by ``cached_length``.
+
+Shapes: B batch, H query heads, Hk key/value heads (grouped-query attention when H > Hk), T positions, D head size.
+"""
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.integrations.flex_attention import compile_friendly_flex_attention, repeat_kv
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
+
+try:  # flex_attention is missing from old or stripped-down torch builds
+    from torch.nn.attention.flex_attention import BlockMask
+except ImportError:  # pragma: no cover - depends on the torch build
+    BlockMask = ()
+
+logger = logging.get_logger(__name__)
+
+FUSED_KERNEL_ALIGNMENT = 8  # channels: flash and memory-efficient SDPA on CUDA need head sizes divisible by 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Folding the bias into queries, keys and values
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def folded_head_size(head_dim: int, extra: int, device: torch.device) -> int:
+    """Channels of a folded head: ``head_dim`` plus ``extra`` ≥ 1, rounded up to a multiple of 8 on CUDA."""
+    width = head_dim + max(1, extra)
+    if torch.device(device).type == "cuda":
+        width = -(-width // FUSED_KERNEL_ALIGNMENT) * FUSED_KERNEL_ALIGNMENT
+    return width
+
+
+def fold_bias_into_kv(
+    key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, aux: torch.Tensor | None = None, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k' = [k, bias, 0…], v' = [v, aux, 0…], both ``width`` channels (default: the smallest that holds them).
+
+    Args:
+        key, value: (B, Hk, T, D).
+        bias: (B, Hk, T) per-key logit bias.
+        aux: optional (B, Hk, T, P) per-key state the KV cache must remember (raw energies, filter history).
+    """
+    head_dim = key.shape[-1]
+    extra = 0 if aux is None else aux.shape[-1]
+    width = width or folded_head_size(head_dim, extra, key.device)
+    key_parts = [key, bias.to(key.dtype).unsqueeze(-1)]
+    if width > head_dim + 1:
+        key_parts.append(key.new_zeros(()).expand(*key.shape[:-1], width - head_dim - 1))
+    value_parts = [value] if aux is None else [value, aux.to(value.dtype)]
+    if width > head_dim + extra:
+        value_parts.append(value.new_zeros(()).expand(*value.shape[:-1], width - head_dim - extra))
+    return torch.cat(key_parts, dim=-1), torch.cat(value_parts, dim=-1)
+
+
+def pad_query_for_bias(query: torch.Tensor, width: int, scaling: float) -> torch.Tensor:
+    """q' = [q, 1/scaling, 0…] of ``width`` channels: the partner of ``fold_bias_into_kv``."""
+    head_dim = query.shape[-1]
+    parts = [query, query.new_full((), 1.0 / scaling).expand(*query.shape[:-1], 1)]
+    if width > head_dim + 1:
+        parts.append(query.new_zeros(()).expand(*query.shape[:-1], width - head_dim - 1))
+    return torch.cat(parts, dim=-1)
+
+
+def replace_folded_bias(key: torch.Tensor, bias: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Folded keys (B, Hk, T_cache, W) with the bias channel of the first ``bias.shape[-1]`` keys replaced by
+    ``bias`` (B, Hk, T); out of place. (A ``StaticCache`` holds more keys than it has filled.)"""
+    bias = bias.to(key.dtype)
+    if bias.shape[-1] < key.shape[-2]:
+        bias = torch.cat([bias, key[..., bias.shape[-1] :, head_dim]], dim=-1)
+    return torch.cat([key[..., :head_dim], bias[..., None], key[..., head_dim + 1 :]], dim=-1)
+
+
+def unfold_key_bias(
+    key: torch.Tensor, value: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``fold_bias_into_kv`` for folded keys/values from a cache: (key, value, bias float32)."""
+    return key[..., :head_dim], value[..., :head_dim], key[..., head_dim].float()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The KV cache's per-key gate state
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def cached_length(layer) -> int:
+    """The number of keys a KV cache layer holds. Energy-gated layers keep per-key gate state in the cache, so the
+    layer must keep every key as written, at its position: a ``DynamicLayer`` or ``StaticLayer`` (``DynamicCache``,
+    ``StaticCache``, their offloaded forms), or a sliding-window layer until its window starts dropping keys (the
+    statistics count every earlier token). Quantised and other layers alter or move keys and raise."""
+    if type(layer) in (DynamicLayer, StaticLayer):
+        return int(layer.get_seq_length())
+    if type(layer) is DynamicSlidingWindowLayer:
+        held = layer.values.shape[-2] if layer.is_initialized else 0
+        seen = int(layer.get_seq_length())
+        if seen == held:
+            return held
+        raise ValueError(
+            f"the KV cache's sliding window has dropped {seen - held} keys; energy-gated attention keeps its per-key "
+            "gate state (statistics over every earlier token) in the cache and cannot continue past the window: "
+            "use a DynamicCache without a sliding window"
+        )
+    raise ValueError(
+        f"energy-gated attention keeps per-key gate state in its KV cache and needs every key kept as written; "
+        f"a {type(layer).__name__} does not: use a DynamicCache or a StaticCache"
+    )
+
+
+def cached_gate_state(cache, layer_idx: int, head_dim: int) -> torch.Tensor | None:
+    """The per-key gate state a layer's KV cache holds after the first ``head_dim`` value channels, for the keys
+    cached so far, or ``None`` before the first (or without a cache)."""
+    if cache is None or layer_idx >= len(cache.layers):
+        return None
+    layer = cache.layers[layer_idx]
+    past_length = cached_length(layer)
+    if past_length == 0:
+        return None
+    return layer.values[:, :, :past_length, head_dim:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backends
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _key_value_groups(module, query: torch.Tensor, key: torch.Tensor) -> int:
+    return getattr(module, "num_key_value_groups", query.shape[1] // key.shape[1])
+
+
+def eager_attention_with_key_bias(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q·kᵀ·scaling + bias + mask) · v; returns (B, T, H, D) and the gated, renormalised probabilities."""
+    groups = _key_value_groups(module, query, key)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if key_bias is not None:
+        bias = key_bias if groups == 1 else key_bias.repeat_interleave(groups, dim=1)
+        scores = scores + bias[:, :, None, :].to(query.dtype)
+    attention_mask = _additive_mask(module, attention_mask, query, key)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
+    weights = weights.to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _additive_mask(module, attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """The additive (B|1, 1, Tq, Tk) float mask eager attention adds to its scores, from whatever a backend's mask
+    interface built: an additive mask as it is, a bool mask (True = attend), a flex ``BlockMask`` materialised, or
+    ``None`` (SDPA's causal shortcut) as the causal mask aligned to the last key."""
+    q_length, kv_length = query.shape[-2], key.shape[-2]
+    if isinstance(attention_mask, BlockMask):
+        from torch.nn.attention.flex_attention import create_mask
+
+        attention_mask = create_mask(attention_mask.mask_mod, query.shape[0], 1, q_length, kv_length, query.device)
+    elif attention_mask is None:
+        if not getattr(module, "is_causal", True) or q_length == 1:
+            return None
+        positions = torch.arange(kv_length, device=query.device)
+        attention_mask = positions[None, :] <= positions[-q_length:, None]
+        attention_mask = attention_mask[None, None]
+    if attention_mask.dtype == torch.bool:
+        blocked = torch.full((), torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
+        return torch.where(attention_mask, torch.zeros_like(blocked), blocked)[..., :kv_length]
+    return attention_mask[..., :kv_length]
+
+
+def flex_attention_with_key_bias(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_bias: torch.Tensor,
+    attention_mask,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``flex_attention`` (transformers' compiled kernel) with a ``score_mod`` adding ``key_bias[b, h, kv_idx]``."""
+    if dropout > 0:
+        raise ValueError(
+            "`flex_attention` does not support attention dropout: use it for inference (`model.eval()`) or set the "
+            "attention dropout to 0"
+        )
+    block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
+    q_length, kv_length = query.shape[-2], key.shape[-2]
+    if attention_mask is None and getattr(module, "is_causal", True) and q_length > 1:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        offset = kv_length - q_length  # queries are the last q_length positions
+
+        def causal(batch_idx, head_idx, q_idx, kv_idx):
+            return kv_idx <= q_idx + offset
+
+        block_mask = create_block_mask(causal, None, None, q_length, kv_length, device=query.device)
+    score_mask = None if block_mask is not None or attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
+    groups = _key_value_groups(module, query, key)
+    bias = None if key_bias is None else key_bias.to(query.dtype).contiguous()  # the CPU template reads it flat
+
+    def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+        if bias is not None:
+            score = score + bias[batch_idx, head_idx // groups, kv_idx]
+        if score_mask is not None:
+            score = score + score_mask[batch_idx, 0, q_idx, kv_idx]
+        return score
+
+    output = compile_friendly_flex_attention(
+        query.contiguous(),
+        key.contiguous(),
+        value.contiguous(),
+        score_mod=score_mod,
+        block_mask=block_mask,
+        enable_gqa=groups > 1,
+        scale=scaling,
+        training=module.training,
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def folded_attention(
+    module: nn.Module,
+    implementation: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_dim: int,
+    attention_mask,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention over keys/values folded by ``fold_bias_into_kv`` (as a KV cache holds them): the bias channel is
+    read back for eager and flex_attention; other backends get queries padded to the folded width.
+
+    Returns (B, T, H, head_dim) and the backend's attention weights.
+    """
+    implementation = implementation_for_call(implementation, kwargs)
+    if implementation in ("eager", "flex_attention"):
+        key, value, bias = unfold_key_bias(key, value, head_dim)
+        attend = eager_attention_with_key_bias if implementation == "eager" else flex_attention_with_key_bias
+        return attend(module, query, key, value, bias, attention_mask, scaling, dropout, **kwargs)
+    query = pad_query_for_bias(query, key.shape[-1], scaling)
+    output, weights = ALL_ATTENTION_FUNCTIONS[implementation](
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+    return output[..., :head_dim], weights
+
+
+def attention_with_key_bias(
+    module: nn.Module,
+    implementation: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_bias: torch.Tensor,
+    attention_mask,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax(q·kᵀ·scaling + key_bias) attention through the backend ``implementation`` (a name of
+    ``ALL_ATTENTION_FUNCTIONS``, or ``"eager"``).
+
+    Args:
+        query: (B, H, Tq, D); key, value: (B, Hk, Tk, D).
+        key_bias: (B, Hk, Tk) float logit bias per key, or ``None`` for plain attention (ungated layers: the
+            backend's own function runs, except under ``output_attentions`` where eager does).
+        attention_mask: what transformers' mask interface built for the backend (4D tensor, ``BlockMask`` or None).
+
+    Returns:
+        (B, Tq, H, D) and the attention weights (eager: the gated, renormalised probabilities).
+    """
+    implementation = implementation_for_call(implementation, kwargs)
+    if implementation == "eager":
+        return eager_attention_with_key_bias(module, query, key, value, key_bias, attention_mask, scaling, dropout)
+    if implementation == "flex_attention":
+        return flex_attention_with_key_bias(module, query, key, value, key_bias, attention_mask, scaling, dropout)
+    if key_bias is None:
+        return ALL_ATTENTION_FUNCTIONS[implementation](
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    key, value = fold_bias_into_kv(key, value, key_bias)
+    return folded_attention(
+        module, implementation, query, key, value, query.shape[-1], attention_mask, scaling, dropout, **kwargs
+    )
+
+
+def implementation_for_call(implementation: str | None, kwargs: dict) -> str:
+    """The backend for this call: ``eager`` when attention probabilities are asked for (``output_attentions``),
+    which only eager computes, as transformers' own models fall back; otherwise ``implementation``."""
+    implementation = implementation or "eager"
+    if kwargs.pop("output_attentions", False) and implementation != "eager":
+        logger.warning_once(
+            f"`{implementation}` attention does not return attention probabilities; this call with "
+            "`output_attentions=True` runs the eager attention instead."
+        )
+        return "eager"
+    return implementation
+
+
+__all__ = [
+    "attention_with_key_bias",
+    "implementation_for_call",
+    "cached_gate_state",
+    "cached_length",
+    "eager_attention_with_key_bias",
+    "flex_attention_with_key_bias",
+    "fold_bias_into_kv",
+    "folded_attention",
+    "folded_head_size",
+    "pad_query_for_bias",
+    "replace_folded_bias",
+    "unfold_key_bias",
+]
