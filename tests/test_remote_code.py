@@ -51,6 +51,12 @@ _LOADER = textwrap.dedent(
     jobs_file, out_file = sys.argv[1:3]
     results = {}
     for job in json.load(open(jobs_file)):
+        if job.get("from_config"):  # a folder holding only a config: a new model built from it
+            config = transformers.AutoConfig.from_pretrained(job["path"], trust_remote_code=True)
+            model = getattr(transformers, job["auto"]).from_config(config, trust_remote_code=True)
+            results[job["name"]] = {"class": type(model).__module__ + "." + type(model).__name__,
+                                    "gate_parameters": [n for n, _ in model.named_parameters() if ".energy_gate." in n]}
+            continue
         loaded = getattr(transformers, job["auto"]).from_pretrained(job["path"], trust_remote_code=True)
         result = {"class": type(loaded).__module__ + "." + type(loaded).__name__}
         if job["auto"] == "AutoTokenizer":
@@ -330,9 +336,14 @@ def test_retrofitted_checkpoints_load_without_the_plugin(tmp_path):
                      "auto": "AutoModelForCausalLM" if causal else "AutoModelForSequenceClassification",
                      "generate": causal, "resave": str(tmp_path / "resaved") if name == "gpt2" else None})
         if name == "gpt2":
-            expected["gpt2 bare"] = model.transformer(**inputs).last_hidden_state
+            with torch.no_grad():
+                expected["gpt2 bare"] = model.transformer(**inputs).last_hidden_state
             jobs.append({**jobs[-1], "name": "gpt2 bare", "auto": "AutoModel", "output": "last_hidden_state",
                          "generate": False, "resave": None})
+            model.config.save_pretrained(tmp_path / "config only")  # the config alone carries the code too
+            expected["gate parameters"] = [n for n, _ in model.named_parameters() if ".energy_gate." in n]
+            jobs.append({"name": "config only", "path": str(tmp_path / "config only"), "from_config": True,
+                         "auto": "AutoModelForCausalLM"})
 
     results = run_without_plugin(jobs, tmp_path)
 
@@ -346,6 +357,8 @@ def test_retrofitted_checkpoints_load_without_the_plugin(tmp_path):
     assert results["gpt2 bare"]["class"].endswith(".EnergyGatedGPT2Model")
     torch.testing.assert_close(results["gpt2 bare"]["output"], expected["gpt2 bare"], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(results["gpt2"]["resaved_output"], expected["gpt2"], atol=ATOL, rtol=RTOL)
+    assert results["config only"]["class"].endswith(".EnergyGatedGPT2LMHeadModel")
+    assert results["config only"]["gate_parameters"] == expected["gate parameters"]
 
 
 # ----------------------------------------------------------------------------------------------------------------

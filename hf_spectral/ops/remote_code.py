@@ -107,6 +107,13 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
     auto_map = values.get("auto_map")
     auto_map = dict(auto_map) if isinstance(auto_map, dict) else {}
     auto_map.update(entries)
+    for auto_name in AUTO_MODEL_CLASSES:
+        # A config saved alone from remote code whose modeling file was never loaded: an entry it carried from its
+        # own checkpoint would name a file this folder lacks (the model's own save writes it back with the file).
+        reference = auto_map.get(auto_name)
+        if auto_name not in entries and isinstance(reference, str):
+            if not (save_directory / f"{reference.rpartition('.')[0]}.py").is_file():
+                del auto_map[auto_name]
     values["auto_map"] = auto_map
     _write_atomically(json_file, json.dumps(values, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     written.append(str(json_file))
@@ -157,10 +164,8 @@ def _model_classes(config, model_class) -> dict:
 
     if model_class is not None:
         module = sys.modules[model_class.__module__]
-    else:  # a config alone: the modeling module beside its configuration module, if there is one
-        module = _sibling_modeling_module(type(config))
-        if module is None:
-            return {}
+    else:  # a config alone: the modeling module beside its configuration module, or the config's own module
+        module = _sibling_modeling_module(type(config)) or sys.modules[type(config).__module__]
     found: dict[str, list] = {}
     for value in vars(module).values():
         if (

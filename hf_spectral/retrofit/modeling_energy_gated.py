@@ -203,10 +203,19 @@ class EnergyGatedModelMixin:
             save_model_code(self, save_directory)
 
 
+class EnergyGatedConfigMixin:
+    """Mixed into a stock config class: a config saved alone also carries the code (and a complete ``auto_map``),
+    so that ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works without hf_spectral."""
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        save_model_code(self, save_directory)
+
+
 def _gated_config(family: Family) -> type:
     return type(
         f"EnergyGated{family.config_class.__name__}",
-        (family.config_class,),
+        (EnergyGatedConfigMixin, family.config_class),
         {"model_type": f"energy_gated_{family.model_type}", "__module__": __name__},
     )
 
