@@ -35,7 +35,8 @@ def measure_entropies(model, dataloader: Iterable, max_batches: int | None = Non
         if max_batches is not None and step >= max_batches:
             break
         inputs = {k: v.to(device) for k, v in _as_model_inputs(batch).items()}
-        outputs = model(**inputs, use_cache=False)
+        # The routed layers belong to the base model: no head runs (an unfitted pooling head may not run at all).
+        outputs = model.base_model(**inputs, use_cache=False)
         mask = inputs.get("attention_mask")
         for store, entropy in zip(collected, outputs.routing_entropies):
             store.append((entropy[mask.bool()] if mask is not None else entropy.flatten()).float().cpu())

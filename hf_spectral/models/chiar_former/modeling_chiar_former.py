@@ -2,13 +2,26 @@
 one of them from its spectral entropy (SPEC 2).
 
 A layer is an operator sub-layer and a GELU FFN, each with a residual connection (post-LN by default, as the
-authors). Routed layers compute the DCT of every token once: it gives the spectral entropy the router reads and the
-DCT mixing output (one matrix product). With threshold or hard routing the routed layer then runs sparsely:
-attention projects keys and values for every token but queries only for its routed tokens, which are gathered,
-attended against all keys in blocks that each compute only the keys their last query sees (the plugin's compiled
-kernel; masked SDPA calls on key-prefix chunks where it does not apply) and scattered back; a token routed to DCT
-mixing is never a query.
-Soft routing, and `routed_execution="dense"` (the authors' one-hot select), run every operator on every token.
+authors). The mechanisms are the pure tensor functions of ``hf_spectral/ops`` (``spectral``: DCT, spectral entropy,
+DCT mixing; ``routing``: routers, straight-through gate, gathered layouts and their attention masks;
+``random_features``: kernel attention); this file holds their parameters and wires them into a transformers model.
+
+Routed layers compute the DCT of every token once: it gives the spectral entropy the router reads and the DCT mixing
+output (one pair of matrix products). With threshold or hard routing the other operators then run only on their own
+tokens (SPEC 2.2): attention projects keys and values for every token (a routed query sees exactly the keys a dense
+layer shows it) but queries and outputs only for its routed tokens. Each row's routed tokens are gathered into a
+(B, Q) layout (stable order: routed tokens first, in position order), attended through transformers' attention
+backends (``eager``, ``sdpa``, ``flex_attention``) with the mask of their slots, and scattered back. Nothing in a
+forward pass reads a tensor on the host where that costs a synchronisation:
+
+* the layout width Q is the sequence length under ``torch.compile`` and on accelerators (static shapes, no host
+  read); then ``flex_attention``'s block mask skips every block of unrouted queries and the future of each routed
+  block, while the query / output projections and SDPA still process Q = T rows;
+* in eager mode on CPU, where reading the routed count costs nothing, Q is the largest routed count of the batch
+  (rounded up to whole 128-query blocks for ``flex_attention``): projections and attention then process ≈ the routed
+  fraction of the queries.
+
+Soft routing, and ``routed_execution="dense"`` (the authors' one-hot select), run every operator on every token.
 Routing is per token and reads only the token's own state, so a causal model stays causal and generation with the
 cache takes the routes of the forward pass.
 
@@ -18,7 +31,6 @@ every token (a later token routed to attention reads them all), the RBF operator
 search reordering; left padding is handled by excluding padding keys from the masks and the prefix sums.
 """
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +40,6 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -36,33 +47,44 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import can_return_tuple
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, rotate_half
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_chiar_former import ChiarConfig
 from ...ops.pooling import SequencePooling
 from ...ops.remote_code import save_model_code
-from .spectral_ops import (
-    apply_rotary,
+from ...ops.random_features import (
     authors_rbf_mixing,
     bidirectional_kernel_attention,
     causal_kernel_attention,
-    dct,
-    dct_even_odd,
-    dct_mixing,
-    gathered_query_mask,
-    idct,
-    one_hot_gates,
     positive_random_features,
-    query_chunks,
-    rotary_phases,
-    spectral_entropy_from_spectrum,
+    trigonometric_random_features,
+)
+from ...ops.routing import (
+    gather_routed,
+    gathered_query_block_mask,
+    gathered_query_mask,
+    hard_routes,
+    one_hot_gates,
+    routed_layout,
+    router_probabilities,
+    routing_fractions,
+    scatter_routed,
+    soft_routes,
     straight_through_gate,
     threshold_routes,
-    trigonometric_random_features,
     usage_entropy_penalty,
 )
+from ...ops.spectral import dct, dct_even_odd, dct_mixing, idct, spectral_entropy_from_spectrum
+
+logger = logging.get_logger(__name__)
+
+# Query blocks of flex_attention's block masks (its default block size): a gathered layout is rounded up to whole
+# blocks so that the compiled kernel sees few distinct shapes.
+FLEX_BLOCK_SIZE = 128
 
 _ROUTING_DOC = r"""
     routing_decisions (`tuple[torch.LongTensor]`):
@@ -115,10 +137,46 @@ class ChiarSequenceClassifierOutputWithPast(SequenceClassifierOutputWithPast):
     aux_loss: torch.FloatTensor | None = None
 
 
+def _host_reads_are_free(tensor: torch.Tensor) -> bool:
+    """Whether reading a value of ``tensor`` on the host costs nothing: a CPU tensor outside ``torch.compile``. On an
+    accelerator the read would wait for the device; under compilation it would break the graph."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+class ChiarRotaryEmbedding(LlamaRotaryEmbedding):
+    """RoPE cos / sin for integer positions: transformers' Llama rotary embedding (default rope type), with the
+    frequencies θ_j = rope_theta^(−2j / head_dim) taken from CHIAR's `rope_theta` (the config has no
+    `rope_parameters`). The rotation is transformers' rotate-half form (`apply_rotary_pos_emb`)."""
+
+    def __init__(self, config: ChiarConfig):
+        nn.Module.__init__(self)
+        self.config = config
+        self.rope_type = "default"
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        inv_freq, self.attention_scaling = self.compute_default_rope_parameters(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: ChiarConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        head_dim = config.hidden_size // config.num_attention_heads
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim
+        return 1.0 / (float(config.rope_theta) ** exponents), 1.0
+
+
+def rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of one tensor (batch, heads, positions, head_dim) with cos / sin (batch, positions, head_dim): the
+    single-tensor form of transformers' `apply_rotary_pos_emb`, for routed queries, which sit at other positions than
+    the keys."""
+    cos, sin = cos[:, None], sin[:, None]
+    return states * cos + rotate_half(states) * sin
+
+
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Softmax attention in plain torch; ``attention_mask`` is boolean (True = may attend), as CHIAR builds it."""
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
+        attn_weights = attn_weights.masked_fill(~attention_mask, torch.finfo(attn_weights.dtype).min)
     attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
@@ -160,6 +218,16 @@ class ChiarDCTMixing(nn.Module):
         return self.dropout(mixed), spectrum
 
 
+def cached_recurrent_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
+    """The RBF prefix sums stored for a layer, or None before the first forward pass."""
+    if cache is None:
+        return None
+    layer = cache.layers[layer_idx]
+    if not layer.is_recurrent_states_initialized[0]:
+        return None
+    return layer.recurrent_states[0]
+
+
 class ChiarRBFMixing(nn.Module):
     """RBF kernel mixing: token states attend to each other through random features of the Gaussian kernel
     exp(−γ‖x_i − x_j‖²) with fixed ω (saved with the weights), values and output projected.
@@ -186,11 +254,10 @@ class ChiarRBFMixing(nn.Module):
         hidden_states: torch.Tensor,
         token_valid: torch.Tensor | None = None,
         cache: Cache | None = None,
-        selected: torch.Tensor | None = None,
+        layout: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """(B, T, d) -> (B, T, d), or only the rows of the ``selected`` (B, T) tokens, flattened (N, d).
-
-        Every token contributes its key and value to the prefix sums whether or not it is selected."""
+        """(B, T, d) -> (B, T, d), or, given a gathered ``layout`` (index (B, Q), valid (B, Q)), the outputs of those
+        tokens only (B, Q, d). Every token contributes its key and value to the sums whether or not it is gathered."""
         values = self.v_proj(hidden_states)
         if self.variant == "authors":
             phi = trigonometric_random_features(hidden_states, self.omega)
@@ -205,37 +272,17 @@ class ChiarRBFMixing(nn.Module):
                     cache.update_recurrent_state(state, self.layer_idx)
             else:
                 mixed = bidirectional_kernel_attention(phi, phi_keys, values)
-        if selected is not None:
-            mixed = mixed[selected]
+        if layout is not None:
+            mixed = gather_routed(mixed, layout[0])
         return self.dropout(self.o_proj(mixed))
 
 
-def cached_recurrent_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
-    """The RBF prefix sums stored for a layer, or None before the first forward pass."""
-    if cache is None:
-        return None
-    layer = cache.layers[layer_idx]
-    if not layer.is_recurrent_states_initialized[0]:
-        return None
-    return layer.recurrent_states[0]
-
-
-def _compiled_routed_attention() -> Callable | None:
-    """The compiled attention for gathered queries (``causal_attention_at_row_positions``, shared with EGA-GPT), or
-    ``None`` where this folder runs outside the hf_spectral package (loaded with ``trust_remote_code``): the torch
-    code then computes the same result. Imported by name so that this folder stays self-contained for the Hub."""
-    try:
-        module = importlib.import_module("..ega_gpt.compiled_kernels", __package__)
-    except (ImportError, TypeError, ValueError):
-        return None
-    return module.causal_attention_at_row_positions
-
-
 class ChiarAttention(nn.Module):
-    """Multi-head self-attention with RoPE and qkv biases.
+    """Multi-head self-attention with RoPE and qkv biases, through transformers' attention backends.
 
-    Given ``queries`` (a (B, T) mask), only those tokens are queries (sparse routing); keys and values always come
-    from every token, cached ones included, so that a routed query sees exactly the keys a dense layer shows it.
+    Given a gathered ``layout`` (the routed tokens of each row, :func:`routed_layout`), only those tokens are
+    queries; keys and values always come from every token, cached ones included, so that a routed query sees exactly
+    the keys a dense layer shows it.
     """
 
     def __init__(self, config: ChiarConfig, layer_idx: int):
@@ -253,111 +300,99 @@ class ChiarAttention(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def _heads(self, states: torch.Tensor) -> torch.Tensor:
-        return states.reshape(*states.shape[:-1], self.num_heads, self.head_dim)
+        """(B, N, d) -> (B, heads, N, head_dim)."""
+        return states.view(*states.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(
         self,
         hidden_states: torch.Tensor,
-        rotary: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
         key_valid: torch.Tensor | None = None,
         past_length: int = 0,
         cache: Cache | None = None,
-        queries: torch.Tensor | None = None,
+        layout: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Dense: (B, T, d) -> (B, T, d) with the model's ``attention_mask``. Sparse: -> (N, d), the outputs of the
-        N tokens selected by ``queries`` in ``queries.nonzero()`` order; masks are built here from ``key_valid``
-        (B, past + T) and the query slots."""
-        # RoPE rotates the projections' fresh outputs in place (apply_rotary's in_place), so no second tensor of their
-        # size is written; keys and values are slices, not chunk()s, because autograd forbids in-place writes to views
-        # from a function returning several. (batch, heads, positions, head_dim) is then made contiguous for SDPA,
-        # whose CPU kernels run ≈ 10% faster on it; the compiled kernel for routed queries reads any strides.
+        """Dense: (B, T, d) -> ((B, T, d), attention probabilities under eager attention). Routed (``layout`` given):
+        -> ((B, Q, d) outputs of the gathered tokens, None). ``key_valid`` (B, past + T) marks real tokens (None:
+        no padding); the masks are built here, once the cache has given the keys."""
+        batch, length, _ = hidden_states.shape
+        cos, sin = position_embeddings
         key_value = self.kv_proj(hidden_states)
-        key, value = key_value[..., : self.config.hidden_size], key_value[..., self.config.hidden_size :]
-        key = apply_rotary(self._heads(key), rotary, in_place=True).transpose(1, 2)
-        value = self._heads(value).transpose(1, 2)
-        compiled = None if queries is None else self._compiled_sparse_attention(key, key_valid)
-        if compiled is None:
-            key, value = key.contiguous(), value.contiguous()
+        key = self._heads(key_value[..., : self.config.hidden_size])
+        value = self._heads(key_value[..., self.config.hidden_size :])
+
+        if layout is None:
+            query = self._heads(self.q_proj(hidden_states))
+            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        else:
+            index, query_valid = layout
+            key = rotate(key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        if queries is None:
-            query = apply_rotary(self._heads(self.q_proj(hidden_states)), rotary, in_place=True)
-            query = query.transpose(1, 2).contiguous()
-            attn_output, attn_weights = self._attend(query, key, value, attention_mask, **kwargs)
-            attn_output = attn_output.reshape(*attn_output.shape[:2], -1)
-            return self.dropout(self.o_proj(attn_output)), attn_weights
-        # Token b * T + t of the flattened batch: one index_select gathers the routed rows (cheaper than indexing by
-        # (row, column) pairs), in row order, as the attention takes them.
-        selected = queries.reshape(-1).nonzero().squeeze(1)
-        if selected.numel() == 0:  # no token routed here: only the cache grew
-            return hidden_states.new_zeros(0, hidden_states.shape[-1]), None
-        query = self.q_proj(hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, selected))
-        query_phases = rotary.reshape(-1, rotary.shape[-1]).index_select(0, selected)
-        query = apply_rotary(self._heads(query)[None], query_phases[None], in_place=True)[0]
-        attn_output = self._attend_sparse(
-            query, key, value, queries, selected, past_length, key_valid, compiled, **kwargs
+        key_length = key.shape[2]
+
+        implementation = self._implementation(kwargs)
+        if layout is None:
+            query_slots = torch.arange(past_length, past_length + length, device=key.device).expand(batch, -1)
+            query_valid = None
+        else:
+            if index.shape[1] == 0:  # no token routed here (eager mode on CPU): only the cache grew
+                return hidden_states.new_zeros(batch, 0, hidden_states.shape[-1]), None
+            query = self._heads(self.q_proj(gather_routed(hidden_states, index)))
+            query = rotate(query, gather_routed(cos, index), gather_routed(sin, index))
+            query_slots = index + past_length
+        mask, is_causal = self._mask(
+            implementation, query_slots, query_valid, key_valid, key_length, dense=layout is None
         )
-        return self.dropout(self.o_proj(attn_output.reshape(attn_output.shape[0], -1))), None
 
-    def _attend(self, query, key, value, attention_mask, **kwargs):
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
+        attention_interface: Callable = eager_attention_forward
+        if implementation != "eager":
+            attention_interface = ALL_ATTENTION_FUNCTIONS[implementation]
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            mask,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            is_causal=is_causal,
+            **kwargs,
         )
-        dropout = self.config.attention_dropout if self.training else 0.0
-        return attention_interface(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs)
+        attn_output = self.dropout(self.o_proj(attn_output.reshape(batch, query.shape[2], -1)))
+        return attn_output, attn_weights if layout is None else None
 
-    def _attend_sparse(self, query, key, value, queries, selected, past_length, key_valid, compiled, **kwargs):
-        """Routed queries (N, heads, head_dim), the tokens ``selected`` (N,) of the flattened (B, T) ``queries`` mask,
-        ordered by row, then position, at key slots past_length + t -> (N, heads, head_dim). Each row attends on its
-        own, so no row pads its queries to another's count. Causal queries skip most future keys as a dense causal
-        kernel skips them: through ``compiled`` where it applies (``_compiled_sparse_attention``'s answer for these
-        keys; every row in one call), else in masked chunks, each against the key prefix its last query can see."""
-        length = queries.shape[1]
-        slots = selected % length + past_length
-        dropout = self.config.attention_dropout if self.training else 0.0
-        if compiled is not None:
-            row_starts = selected.new_zeros(key.shape[0] + 1)
-            torch.cumsum(queries.sum(1), 0, out=row_starts[1:])
-            out = compiled(query, key, value, slots, row_starts, self.scaling, dropout)
-            if out is not None:
-                return out
-        counts = queries.sum(1).tolist()
-        outputs = []
-        for row, row_query, row_slots in zip(range(key.shape[0]), query.split(counts), slots.split(counts)):
-            if row_query.shape[0] == 0:
-                continue
-            row_query, row_slots = row_query.transpose(0, 1)[None].contiguous(), row_slots[None]
-            row_valid = None if key_valid is None else key_valid[row : row + 1]
-            chunks = query_chunks(row_slots) if self.is_causal else [(0, row_slots.shape[1], key.shape[2])]
-            for start, end, key_length in chunks:
-                mask = gathered_query_mask(row_slots[:, start:end], row_valid, self.is_causal, query.dtype, key_length)
-                out, _ = self._attend(
-                    row_query[:, :, start:end],
-                    key[row : row + 1, :, :key_length],
-                    value[row : row + 1, :, :key_length],
-                    mask,
-                    is_causal=False,
-                    **kwargs,
-                )
-                outputs.append(out[0])
-        return torch.cat(outputs, 0)
+    def _implementation(self, kwargs: dict) -> str:
+        """The attention backend of this call: the config's, or eager when attention probabilities are asked for,
+        which the fused backends do not return (transformers' models fall back the same way)."""
+        implementation = self.config._attn_implementation or "eager"
+        if implementation != "eager" and kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+            logger.warning_once(
+                f"CHIAR-Former: the `{implementation}` attention backend does not return attention probabilities; "
+                "`output_attentions=True` computes them with the eager implementation instead (slower). Load the model "
+                "with `attn_implementation='eager'` to silence this warning."
+            )
+            return "eager"
+        return implementation
 
-    def _compiled_sparse_attention(self, key, key_valid) -> Callable | None:
-        """The compiled attention routed queries go through (``causal_attention_at_row_positions``: for each block of 64
-        queries only the keys its last query sees, no mask tensor), or ``None`` where it does not apply: causal
-        layers without padding on the SDPA backend, in float32 on CPU, with the plugin installed."""
-        if (
-            self.is_causal
-            and key_valid is None
-            and self.config._attn_implementation == "sdpa"
-            and key.dtype == torch.float32
-            and key.device.type == "cpu"
-            and not torch.is_autocast_enabled("cpu")
-        ):
-            return _compiled_routed_attention()
-        return None
+    def _mask(self, implementation, query_slots, query_valid, key_valid, key_length, dense):
+        """The attention mask of queries at ``query_slots`` (B, Q) and the ``is_causal`` flag for the backend.
+
+        flex_attention: a BlockMask (blocks of unrouted queries and each block's future skipped). SDPA over every
+        query of a causal layer without padding or cache: no mask, the kernel's own causal flag (its fastest path).
+        Otherwise a boolean (B, 1, Q, S) mask."""
+        if implementation == "flex_attention":
+            mask = gathered_query_block_mask(
+                query_slots, query_valid, key_valid, key_length, self.is_causal, FLEX_BLOCK_SIZE
+            )
+            return mask, False
+        if dense and key_valid is None and implementation == "sdpa":
+            if query_slots.shape[1] == key_length:  # every key is a new token: the kernel's causal flag is the mask
+                return None, self.is_causal
+            if query_slots.shape[1] == 1:  # one new token after the cache: it reads every key
+                return None, False
+        return gathered_query_mask(query_slots, query_valid, key_valid, key_length, self.is_causal), False
 
 
 class ChiarRouter(nn.Module):
@@ -382,11 +417,24 @@ class ChiarRouter(nn.Module):
             routes = threshold_routes(entropy, self.config.thresholds_for(self.layer_idx))
         else:
             features = torch.cat([hidden_states, entropy[..., None].to(hidden_states.dtype)], dim=-1)
-            probabilities = torch.softmax(self.proj(features).float(), dim=-1)
-            routes = probabilities.argmax(-1)
+            probabilities = router_probabilities(self.proj(features))
+            routes = hard_routes(probabilities) if self.router_type == "hard" else soft_routes(probabilities)
         if token_valid is not None:  # padding takes the first (lowest-entropy) operator: its output is never read
             routes = routes.masked_fill(~token_valid, 0)
         return routes, probabilities
+
+
+def routed_capacity(selected: torch.Tensor, multiple_of: int = 1) -> int:
+    """Width Q of the gathered layout of the ``selected`` (B, T) tokens.
+
+    Where reading the count costs nothing (CPU, eager mode): the largest count of the batch, rounded up to a multiple
+    of ``multiple_of``, so that projections and attention process only the routed rows. Elsewhere (accelerators,
+    ``torch.compile``): T, a static shape that needs no host read."""
+    length = selected.shape[1]
+    if not _host_reads_are_free(selected):
+        return length
+    most = int(selected.sum(1).max())
+    return min(length, -(-most // multiple_of) * multiple_of)
 
 
 class ChiarLayer(GradientCheckpointingLayer):
@@ -394,6 +442,7 @@ class ChiarLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: ChiarConfig, layer_idx: int):
         super().__init__()
+        self.config = config
         self.layer_idx = layer_idx
         self.operators = config.layer_operator_set(layer_idx)
         self.is_routed = config.layer_operators[layer_idx] == "routed"
@@ -411,8 +460,7 @@ class ChiarLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        rotary: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
         key_valid: torch.Tensor | None = None,
         token_valid: torch.Tensor | None = None,
         past_length: int = 0,
@@ -422,8 +470,7 @@ class ChiarLayer(GradientCheckpointingLayer):
         """-> (hidden states, routes, entropies, router probabilities); the last three are None unless routed."""
         operator_input = self.operator_norm(hidden_states) if self.pre_norm else hidden_states
         context = dict(
-            rotary=rotary,
-            attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
             key_valid=key_valid,
             token_valid=token_valid,
             past_length=past_length,
@@ -444,17 +491,14 @@ class ChiarLayer(GradientCheckpointingLayer):
             hidden_states = self.mlp_norm(hidden_states + self.mlp(hidden_states))
         return hidden_states, routes, entropy, probabilities
 
-    @staticmethod
-    def _attention_context(context: dict) -> dict:
-        return {name: value for name, value in context.items() if name != "token_valid"}
-
-    def _run(self, operator: str, states: torch.Tensor, context: dict, dct_output: torch.Tensor | None = None):
-        """One operator on every token."""
+    def _run(self, operator, states, context, dct_output=None, layout=None):
+        """One operator on every token, or on the tokens of a gathered ``layout`` only (then (B, Q, d))."""
         if operator == "dct":
             return self.dct(states) if dct_output is None else dct_output
         if operator == "rbf":
-            return self.rbf(states, context["token_valid"], context["cache"])
-        return self.attention(states, **self._attention_context(context))[0]
+            return self.rbf(states, context["token_valid"], context["cache"], layout=layout)
+        attention_context = {name: value for name, value in context.items() if name != "token_valid"}
+        return self.attention(states, layout=layout, **attention_context)[0]
 
     def _routed(self, states: torch.Tensor, context: dict):
         dct_output = None
@@ -480,23 +524,19 @@ class ChiarLayer(GradientCheckpointingLayer):
             )
             return mixed, routes, entropy, probabilities
 
-        # DCT mixing runs on every token: it comes out of the product that gives the spectrum for the entropy, which
-        # costs less on CPU than gathering and scattering the DCT-routed rows. The other operators then overwrite
-        # the rows of their own tokens.
+        # DCT mixing runs on every token: it comes out of the products that give the spectrum for the entropy, which
+        # costs less than gathering and scattering the DCT-routed rows. The other operators then replace the rows of
+        # their own tokens; each is called even when no token took it (keys, values and prefix sums of every token
+        # go to the cache).
         mixed = dct_output if dct_output is not None else torch.zeros_like(states)
+        multiple_of = FLEX_BLOCK_SIZE if self.config._attn_implementation == "flex_attention" else 1
         for k, operator in enumerate(self.operators):
-            selected = routes == k
             if operator == "dct":
                 continue
-            if operator == "rbf":
-                # Called even with nothing selected: every token's key and value enter the prefix sums.
-                rows, cols = selected.nonzero(as_tuple=True)
-                out = self.rbf(states, context["token_valid"], context["cache"], selected=selected)
-                mixed = mixed.index_put((rows, cols), out)
-            else:
-                # Called even with no query: every token's key and value go to the cache.
-                out, _ = self.attention(states, queries=selected, **self._attention_context(context))
-                mixed = mixed.index_put(selected.nonzero(as_tuple=True), out)
+            selected = routes == k
+            layout = routed_layout(selected, routed_capacity(selected, multiple_of if operator == "attention" else 1))
+            out = self._run(operator, states, context, layout=layout)
+            mixed = scatter_routed(mixed, selected, layout[0], out)
         if probabilities is not None:
             mixed = mixed * straight_through_gate(probabilities, routes)[..., None].to(mixed.dtype)
         return mixed, routes, entropy, probabilities
@@ -508,22 +548,26 @@ class ChiarPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["ChiarLayer"]
     _supports_sdpa = True
-    # Attention probabilities (eager attention only) are recorded for layers that attend densely; a sparse routed
-    # layer attends in per-row chunks and records none.
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    # Attention probabilities (eager attention, or the eager fallback of output_attentions=True) are recorded for layers
+    # that attend with every token as a query; a routed layer's gathered queries record none.
     _can_record_outputs = {
         "hidden_states": ChiarLayer,
         "attentions": OutputRecorder(ChiarAttention, index=1),
     }
 
-    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
-        # transformers' `register_for_auto_class` copies only single-dot imports: write the remote code ourselves
-        # (flattened model files, the ops they need, a complete auto_map) so the folder loads without hf_spectral.
-        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if is_main_process:
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, then the code that loads the folder without the plugin
+        (``trust_remote_code=True``): the configuration and modeling files, the ops files they import, the ``auto_map``."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
             save_model_code(self, save_directory)
 
     def _init_weights(self, module):
-        super()._init_weights(module)  # Linear / Embedding: N(0, initializer_range), biases 0; LayerNorm: 1, 0
+        # Linear / Embedding: N(0, initializer_range), biases 0; LayerNorm: 1, 0; the rotary embedding's frequencies.
+        super()._init_weights(module)
         if isinstance(module, ChiarDCTMixing):
             init.ones_(module.spectral_filter)
         elif isinstance(module, ChiarRBFMixing):
@@ -547,6 +591,7 @@ class ChiarModel(ChiarPreTrainedModel):
             if config.layer_norm_position == "pre"
             else nn.Identity()
         )
+        self.rotary_emb = ChiarRotaryEmbedding(config)
         self.built_causal = config.is_causal
         self.gradient_checkpointing = False
         self.post_init()
@@ -570,6 +615,7 @@ class ChiarModel(ChiarPreTrainedModel):
         # Only recurrent state: nothing depends on the past length except the mask's shape.
         return attention_mask.shape[1] - length if attention_mask is not None and attention_mask.ndim == 2 else 0
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -591,8 +637,11 @@ class ChiarModel(ChiarPreTrainedModel):
                 f"this CHIAR model was built with is_causal={self.built_causal}; set `is_causal` in the config instead "
                 "of passing it to forward"
             )
-        if inputs_embeds is None:
+        if input_ids is not None:
+            _check_tokens("input_ids", input_ids, 2)
             inputs_embeds = self.embed_tokens(input_ids)
+        else:
+            _check_tokens("inputs_embeds", inputs_embeds, 3)
         if not self.built_causal:
             if cache is not None:
                 raise ValueError("a bidirectional CHIAR encoder (is_causal=False) has no cache")
@@ -611,42 +660,26 @@ class ChiarModel(ChiarPreTrainedModel):
 
         key_valid = token_valid = None
         if attention_mask is not None:
-            if attention_mask.ndim != 2:
-                raise ValueError("CHIAR-Former takes a 2D (batch, past + new positions) padding mask")
-            if attention_mask.shape[1] != past_length + length:
+            if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch, past_length + length):
                 raise ValueError(
-                    f"attention_mask has {attention_mask.shape[1]} positions, expected {past_length + length} "
-                    f"({past_length} cached + {length} new)"
+                    f"attention_mask must have shape (batch, cached + new positions) = ({batch}, "
+                    f"{past_length + length}) ({past_length} cached, {length} new), got {tuple(attention_mask.shape)}"
                 )
-            if not bool(attention_mask.all()):  # without padding, skip every padding mask and fix-up
-                key_valid = attention_mask.bool()
-                token_valid = key_valid[:, -length:]
-        if position_ids is None:
-            if key_valid is not None:  # count real tokens, so that left padding does not shift positions
-                position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+            key_valid = attention_mask.bool()
+            # Without padding every padding mask and fix-up is skipped; read where that costs no synchronisation.
+            if _host_reads_are_free(key_valid) and bool(key_valid.all()):
+                key_valid = None
             else:
-                position_ids = torch.arange(past_length, past_length + length, device=inputs_embeds.device)[None]
-        position_ids = position_ids.expand(batch, -1)
-        head_dim = self.config.hidden_size // self.config.num_attention_heads
-        rotary = rotary_phases(position_ids, head_dim, self.config.rope_theta)
-
-        causal_mask = None
-        if "attention" in self.config.operators_in_use:
-            causal_mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                cache=cache,
-                position_ids=position_ids,
-            )
+                token_valid = key_valid[:, -length:]
+        position_ids = self._position_ids(position_ids, key_valid, batch, length, past_length, inputs_embeds.device)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
 
         hidden_states = self.dropout(inputs_embeds)
         decisions, entropies, fractions, probabilities = [], [], [], []
         for layer in self.layers:
             hidden_states, routes, entropy, probs = layer(
                 hidden_states,
-                rotary=rotary,
-                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
                 key_valid=key_valid,
                 token_valid=token_valid,
                 past_length=past_length,
@@ -674,14 +707,37 @@ class ChiarModel(ChiarPreTrainedModel):
             aux_loss=aux_loss,
         )
 
+    @staticmethod
+    def _position_ids(position_ids, key_valid, batch, length, past_length, device) -> torch.Tensor:
+        """(B, T) positions: given ones checked, else counted over real tokens (left padding does not shift them)."""
+        if position_ids is None:
+            if key_valid is not None:
+                return (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+            return torch.arange(past_length, past_length + length, device=device)[None].expand(batch, -1)
+        if position_ids.ndim == 1:
+            position_ids = position_ids[None]
+        if position_ids.ndim != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
+            raise ValueError(
+                f"position_ids must have shape (batch, new positions) = ({batch}, {length}) or (1, {length}), got "
+                f"{tuple(position_ids.shape)}"
+            )
+        # A value check reads the tensor: done where that costs no synchronisation (CPU, eager mode).
+        if _host_reads_are_free(position_ids) and bool((position_ids < 0).any()):
+            raise ValueError(
+                f"position_ids must be >= 0, got a minimum of {int(position_ids.min())} in position_ids of shape "
+                f"{tuple(position_ids.shape)}"
+            )
+        return position_ids.expand(batch, -1)
 
-def routing_fractions(routes: torch.Tensor, token_valid: torch.Tensor | None, num_operators: int) -> torch.Tensor:
-    """Fraction of the non-padding tokens routed to each operator, (B, T) -> (K,)."""
-    counts = torch.nn.functional.one_hot(routes, num_operators).float()
-    if token_valid is not None:
-        counts = counts * token_valid[..., None]
-        return counts.sum((0, 1)) / token_valid.sum().clamp_min(1)
-    return counts.mean((0, 1))
+
+def _check_tokens(name: str, tokens: torch.Tensor, ndim: int) -> None:
+    """Refuse inputs of the wrong rank or with no token, naming the argument and its shape (shapes are static: no
+    synchronisation, no graph break)."""
+    layout = "(batch, positions)" if ndim == 2 else "(batch, positions, hidden_size)"
+    if tokens.ndim != ndim:
+        raise ValueError(f"{name} must have shape {layout}, got a {tokens.ndim}-D tensor of shape {tuple(tokens.shape)}")
+    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(tokens.shape)}): CHIAR-Former needs at least one token per row")
 
 
 def _routing_fields(outputs) -> dict:
@@ -711,6 +767,7 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,
