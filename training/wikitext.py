@@ -150,22 +150,28 @@ def build_tokenizer(args, texts: dict, tokenizer_dir: str, smoke: bool):
 
 
 def lm_task_data(texts: dict, tokenizer, tokenizer_description: str, block_size: int) -> TaskData:
-    from .common.data import build_lm_data
+    import datasets
+
+    from .common.data import encode_text, pack_blocks
     from .common.trainer import collate_blocks, lm_compute_metrics, token_nll
 
-    data = build_lm_data(texts, tokenizer, block_size)
+    encoded = {split: encode_text(tokenizer, text) for split, text in texts.items()}
+    packed = {split: datasets.Dataset.from_dict({"input_ids": pack_blocks(ids, block_size).tolist()}).with_format("torch")
+              for split, ids in encoded.items()}
+    tokens = {split: len(ids) for split, ids in encoded.items()}
+    characters = {split: len(text) for split, text in texts.items()}
     words = {split: count_words(text) for split, text in texts.items()}
-    info = {"tokens": data.tokens, "words": words, "characters": data.characters, "tokenizer": tokenizer_description,
-            "blocks": {split: len(ds) for split, ds in data.datasets.items()}}
-    sample = data.datasets["validation"][0]["input_ids"][:64].tolist() if "validation" in data.datasets else None
+    info = {"tokens": tokens, "words": words, "characters": characters, "tokenizer": tokenizer_description,
+            "blocks": {split: len(ds) for split, ds in packed.items()}}
+    first = packed.get("validation", next(iter(packed.values())))
+    sample = first[0]["input_ids"][:64].tolist()
 
     def evaluate(trainer, model, task_data, preset, args):
         return evaluate_splits(trainer, task_data, preset.final_eval_batches and preset.final_eval_batches * preset.batch_size)
 
-    return TaskData(datasets=dict(data.datasets), tokenizer=tokenizer, collator=collate_blocks, info=info,
-                    evaluate=evaluate, compute_metrics=lm_compute_metrics(data.chars_per_token("validation")
-                                                                          if "validation" in data.tokens else 1.0),
-                    preprocess_logits=token_nll, sample=sample)
+    chars_per_token = characters["validation"] / tokens["validation"] if "validation" in tokens else 1.0
+    return TaskData(datasets=packed, tokenizer=tokenizer, collator=collate_blocks, info=info, evaluate=evaluate,
+                    compute_metrics=lm_compute_metrics(chars_per_token), preprocess_logits=token_nll, sample=sample)
 
 
 def evaluate_splits(trainer, task_data: TaskData, limit: int | None) -> dict:

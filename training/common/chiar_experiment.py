@@ -42,6 +42,7 @@ ARMS = {
     "dct": "every layer DCT mixing (mixes nothing across tokens: the control)",
 }
 LAYOUTS = {"": "authors' layout (DCT, routed ..., attention)", "all": "every layer routed"}
+EXIT_INTERRUPTED_CODE = 3  # a run stopped with a checkpoint (signal or --stop_after_steps); as runs.EXIT_INTERRUPTED
 ROUTING_OUTPUT_KEYS = ["cache", "routing_decisions", "routing_entropies", "routing_fractions",
                        "router_probabilities", "aux_loss", "hidden_states", "attentions"]
 
@@ -610,7 +611,7 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
         compute_metrics=data.compute_metrics, preprocess_logits_for_metrics=data.preprocess_logits,
         callbacks=callbacks, timer=timer, routing_log=routing_log,
         model_card_fn=lambda directory: write_card(directory, arm, preset, task, summary, model, data,
-                                                   repo_id=hub_model_id if args.push_to_hub else directory),
+                                                   repo_id=hub_model_id if args.push_to_hub else "<user>/<repo>"),
     )
     if checkpoint:
         print(f"[{arm.name}] resuming from {checkpoint}", flush=True)
@@ -675,8 +676,8 @@ CARD_TEMPLATE = """---
 
 CHIAR-Former routes each token, in each routed layer, by the spectral entropy of its hidden state (DCT over the
 hidden axis) to DCT mixing (per token, mixes nothing across tokens), RBF kernel mixing, or attention; tokens that
-skip attention do not pay for it as queries. Model code: the `hf_spectral` package (`trust_remote_code` files are
-saved with the model where the package provides them).
+skip attention do not pay for it as queries. Model code: the `hf_spectral` package, whose files are saved with the
+model (loadable with `trust_remote_code=True` where the package is not installed).
 
 ## Model
 
@@ -702,11 +703,12 @@ saved with the model where the package provides them).
 ## Use
 
 ```python
-import hf_spectral  # registers the CHIAR-Former architecture with transformers
 from transformers import AutoModel{{ auto_class }}, AutoTokenizer
 
-model = AutoModel{{ auto_class }}.from_pretrained("{{ repo_id }}")
-tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}")
+# The repository carries the model's code: with trust_remote_code=True, transformers alone loads it (hf_spectral
+# need not be installed). With hf_spectral installed, `import hf_spectral` and leave the flag out instead.
+model = AutoModel{{ auto_class }}.from_pretrained("{{ repo_id }}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}", trust_remote_code=True)
 ```
 
 ## Limitations
@@ -818,7 +820,10 @@ def comparison_rows(summaries: list, task: ChiarTask, curve_key: str) -> list:
     groups: dict = {}
     for summary in summaries:
         groups.setdefault(summary["arm"], []).append(summary)
-    budget = min(statistics.fmean(s["train_seconds"] for s in runs) for runs in groups.values())
+    # Equal wall-clock: the training time of the arm whose curve ends first (mean over its seeds).
+    budget = min(statistics.fmean(max([e["train_seconds"] for e in s["log_history"]
+                                        if curve_key in e and "train_seconds" in e] or [s["train_seconds"]])
+                                  for s in runs) for runs in groups.values())
     base_runs = groups.get("attention", [])
     base_attention = mean_std([s["routing"]["attention_gflops_per_seq"] for s in base_runs])[0]
     base_total = mean_std([s["routing"]["total_gflops_per_seq"] for s in base_runs])[0]
@@ -872,7 +877,7 @@ def write_experiment_results(output_dir: str, summaries: list, task: ChiarTask, 
              "(validation data, evaluation mode). GFLOPs per sequence counted from the routing taken "
              "(`count_flops`). 'val curve @ N s': the validation-curve "
              f"{curve_key.replace('eval_validation_curve_', '')} at the training time of the fastest arm (equal "
-             f"wall-clock); '@ last step': at equal steps. Paper: {task.paper_metric} (SPEC 2.3), at the authors' scale.")
+             f"wall-clock); '@ last step': at equal steps. Paper (SPEC 2.3, the authors' scale): {task.paper_metric}.")
     config = {"preset": preset_name, **preset.to_dict(), "data": data.info,
               **{k: getattr(args, k) for k in ("layer_norm_position", "routed_execution", "calibration_percentiles",
                                                "calibration_batches", "per_layer_thresholds", "recalibrate_steps",
@@ -909,7 +914,7 @@ def run_recipe(argv, task: ChiarTask, description: str) -> int:
 
     import torch
 
-    from .runs import EXIT_INTERRUPTED, is_main_process
+    from .runs import is_main_process
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -932,7 +937,7 @@ def run_recipe(argv, task: ChiarTask, description: str) -> int:
     for arm in arms:
         summary = train_run(arm, data, preset, task, args, training_overrides, output_dir, len(arms))
         if summary is None:
-            return EXIT_INTERRUPTED
+            return EXIT_INTERRUPTED_CODE
         summaries.append(summary)
     if is_main_process():
         curve_key = "eval_validation_curve_loss" if task.kind == "lm" else "eval_validation_curve_accuracy"

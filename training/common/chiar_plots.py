@@ -36,7 +36,7 @@ def plot_entropy_histograms(model, batches: list, path: str, title: str) -> str 
     if not config.routed_layers:
         return None
     entropies = _entropies(model, batches)
-    fig, axes = plt.subplots(1, len(entropies), figsize=(4.2 * len(entropies), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(entropies), figsize=(max(7.0, 4.2 * len(entropies)), 3.4), squeeze=False)
     for ax, layer, values in zip(axes[0], config.routed_layers, entropies):
         values = values.numpy()
         ax.hist(values, bins=60, color="#777777", alpha=0.85)
@@ -60,7 +60,7 @@ def plot_routing_over_training(routing_log: str, path: str, title: str, operator
     layers = sorted({key.split("/")[1] for r in records for key in r if key.startswith("routing/")})
     if not layers:
         return None
-    fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 3.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(layers), figsize=(max(7.0, 4.2 * len(layers)), 3.2), squeeze=False, sharey=True)
     for ax, layer in zip(axes[0], layers):
         for operator in operators:
             key = f"routing/{layer}/{operator}"

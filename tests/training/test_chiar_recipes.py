@@ -1,0 +1,216 @@
+"""The CHIAR-Former recipes end to end at smoke size (WikiText, IMDB, ListOps), resume, the BPE tokenizer and the
+command line (TrainingArguments pass-through)."""
+
+import gzip
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import hf_spectral  # noqa: F401  (registers CHIAR-Former with the Auto classes)
+from training import imdb, listops, wikitext
+from training.common.bpe import train_bpe_tokenizer
+from training.common.chiar_experiment import EXIT_INTERRUPTED_CODE, parse_training_overrides
+
+from .conftest import WORDS
+
+THREADS = ["--threads", "2"]
+
+
+def _wikitext_folder(folder, seed=0):
+    """WikiText-like splits in the official layout: headings, paragraphs, <unk>, one paragraph per line."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, lines in (("wiki.train.tokens", 400), ("wiki.valid.tokens", 60), ("wiki.test.tokens", 60)):
+        text = []
+        for index in range(lines):
+            if index % 20 == 0:
+                text.append(f" = {rng.choice(WORDS).capitalize()} {rng.choice(WORDS)} = \n \n")
+            text.append(" " + " ".join(rng.choice(WORDS + ["<unk>", "@-@", ","]) for _ in range(rng.randint(8, 30)))
+                        + " . \n")
+        (folder / name).write_text("".join(text), encoding="utf-8")
+    return folder
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def wikitext_run(tmp_path_factory):
+    data = _wikitext_folder(tmp_path_factory.mktemp("wikitext"))
+    out = tmp_path_factory.mktemp("wikitext_out")
+    code = wikitext.main(["--smoke", "--data_path", str(data), "--output_dir", str(out), "--arms", "attention",
+                          "threshold", *THREADS])
+    return {"code": code, "out": out, "data": data}
+
+
+def test_wikitext_smoke_writes_models_tokenizer_card_results_and_figures(wikitext_run):
+    out = wikitext_run["out"]
+    assert wikitext_run["code"] == 0
+    for run in ("attention-seed0", "threshold-seed0"):
+        for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md", "summary.json",
+                     "learning_curve.png", "routing_log.jsonl"):
+            assert (out / run / name).is_file(), f"{run}/{name} missing"
+        assert not list((out / run).glob("checkpoint-*"))
+    for name in ("entropy_histograms.png", "routing_fractions.png", "routing_map.png"):
+        assert (out / "threshold-seed0" / name).stat().st_size > 5000
+    assert json.loads((out / "threshold-seed0" / "calibration.json").read_text())["history"][0]["step"] == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [row["arm"] for row in results["rows"]] == ["attention", "threshold"]
+    assert results["hardware"]["cpu_count"] and results["seeds"] == [0] and results["command"].startswith("python")
+    card = (out / "threshold-seed0" / "README.md").read_text()
+    assert "chiar-former" in card and "per word" in card.replace("_", " ")
+
+
+def test_wikitext_summary_reports_perplexities_routing_flops_and_step_times(wikitext_run):
+    base, routed = (_summary(wikitext_run["out"] / run) for run in ("attention-seed0", "threshold-seed0"))
+    for summary in (base, routed):
+        for split in ("validation", "test"):
+            loss = summary[f"{split}_loss"]
+            assert summary[f"{split}_perplexity"] == pytest.approx(torch.tensor(loss).exp().item(), rel=1e-6)
+            # per word = exp(total NLL / words): words are fewer than BPE tokens here, so it is larger.
+            tokens, words = summary["data"]["tokens"][split], summary["data"]["words"][split]
+            assert summary[f"{split}_perplexity_per_word"] == pytest.approx(
+                torch.tensor(loss * (tokens - 1) / words).exp().item(), rel=1e-6)
+        assert summary["seconds_per_step"] > 0 and summary["train_seconds"] > 0
+    assert base["routing"]["fractions"] == {} and routed["routing"]["attention_gflops_per_seq"] < \
+        base["routing"]["attention_gflops_per_seq"]
+    fractions = routed["routing"]["fractions"]["1"]
+    assert set(fractions) == {"dct", "attention"} and sum(fractions.values()) == pytest.approx(1.0)
+    # The calibrated threshold is what the saved model routes with.
+    config = json.loads((wikitext_run["out"] / "threshold-seed0" / "config.json").read_text())
+    saved = config["layer_thresholds"][1] if config["layer_thresholds"] else [config["tau_mid"]]
+    assert saved == routed["thresholds"]["1"] == routed["calibration"][0]["thresholds"]["1"]
+    logged = [json.loads(line) for line in (wikitext_run["out"] / "threshold-seed0" / "routing_log.jsonl").open()]
+    assert logged and all(abs(r["routing/L1/dct"] + r["routing/L1/attention"] - 1) < 1e-3 for r in logged)
+    assert all(r["attention_gflops_per_seq"] > 0 for r in logged)
+    history = [e for e in routed["log_history"] if "eval_validation_curve_loss" in e]
+    assert history and all("train_seconds" in e for e in history)
+
+
+def test_saved_wikitext_model_and_tokenizer_load_with_auto_classes(wikitext_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir = wikitext_run["out"] / "threshold-seed0"
+    model = AutoModelForCausalLM.from_pretrained(run_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(run_dir)
+    ids = tokenizer(" = The king = \n the duke of york", return_tensors="pt")["input_ids"]
+    assert tokenizer.decode(ids[0]) == " = The king = \n the duke of york"
+    weights = load_file(str(run_dir / "model.safetensors"))
+    assert torch.equal(model.model.embed_tokens.weight, weights["model.embed_tokens.weight"])
+    assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tokenizer))
+
+
+def test_wikitext_evaluates_a_saved_model_on_a_folder_with_only_the_test_split(wikitext_run, tmp_path, capsys):
+    only_test = tmp_path / "only_test"
+    only_test.mkdir()
+    (only_test / "wiki.test.tokens").write_text((wikitext_run["data"] / "wiki.test.tokens").read_text())
+    run_dir = wikitext_run["out"] / "threshold-seed0"
+    assert wikitext.main(["--evaluate_model", str(run_dir), "--data_path", str(only_test),
+                          "--output_dir", str(tmp_path / "eval"), "--final_eval_batches", "3", "--batch_size", "4",
+                          *THREADS]) == 0
+    found = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
+    assert "validation_loss" not in found
+    # The same model on the same split gives the training run's own test perplexity.
+    assert found["test_perplexity_per_word"] == pytest.approx(_summary(run_dir)["test_perplexity_per_word"], rel=1e-4)
+    # Training from such a folder is refused with a message naming what is missing.
+    assert wikitext.main(["--smoke", "--data_path", str(only_test), "--output_dir", str(tmp_path / "x"), *THREADS]) == 2
+    assert "training needs the train and validation split(s)" in capsys.readouterr().err
+
+
+def test_interrupted_routed_run_resumes_with_its_thresholds_and_ends_with_the_same_weights(wikitext_run, tmp_path):
+    args = ["--smoke", "--data_path", str(wikitext_run["data"]), "--output_dir", str(tmp_path), "--arms",
+            "threshold", *THREADS]
+    import shutil
+
+    shutil.copytree(wikitext_run["out"] / "tokenizer", tmp_path / "tokenizer")  # the same BPE, not retrained
+    assert wikitext.main(args + ["--stop_after_steps", "3"]) == EXIT_INTERRUPTED_CODE
+    run_dir = tmp_path / "threshold-seed0"
+    assert list(run_dir.glob("checkpoint-3")) and not (run_dir / "summary.json").exists()
+    assert wikitext.main(args) == 0
+    resumed, uninterrupted = _summary(run_dir), _summary(wikitext_run["out"] / "threshold-seed0")
+    assert resumed["resumed_from"] == "checkpoint-3"
+    assert resumed["thresholds"] == uninterrupted["thresholds"]
+    a = load_file(str(run_dir / "model.safetensors"))
+    b = load_file(str(wikitext_run["out"] / "threshold-seed0" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_imdb_smoke_trains_a_bidirectional_hard_routed_encoder(tmp_path):
+    rng = random.Random(0)
+    data = tmp_path / "imdb"
+    data.mkdir()
+    good, bad = ["great", "wonderful", "loved"], ["awful", "boring", "hated"]
+    for split, count in (("train", 200), ("test", 60)):
+        with gzip.open(data / f"{split}.jsonl.gz", "wt", encoding="utf-8") as handle:
+            for index in range(count):
+                label = index % 2
+                words = [rng.choice(WORDS) for _ in range(rng.randint(5, 40))] + [rng.choice(good if label else bad)]
+                handle.write(json.dumps({"id": index, "rating": 8 if label else 2, "label": label,
+                                         "text": " ".join(words) + " <br /><br />"}) + "\n")
+    out = tmp_path / "out"
+    assert imdb.main(["--smoke", "--data_path", str(data), "--validation_examples", "30", "--arms", "hard",
+                      "--output_dir", str(out), *THREADS]) == 0
+    summary = _summary(out / "hard-seed0")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(out / "hard-seed0")
+    assert config.is_causal is False and config.router_type == "hard" and config.num_labels == 2
+    assert summary["test_examples"] == 60 and 0 <= summary["test_accuracy"] <= 1
+    assert summary["data"]["examples"] == {"train": 170, "validation": 30, "test": 60}
+    assert "calibration" not in summary, "the hard router has no thresholds to calibrate"
+    assert (out / "hard-seed0" / "routing_map.png").is_file()
+
+
+def test_listops_smoke_reads_released_files_and_reports_accuracy_per_depth(tmp_path):
+    from training.listops_data import generate, write_tsv
+
+    splits = generate("original", (300, 40, 60), seed=5)
+    write_tsv(str(tmp_path / "train.tsv"), splits["train"], header=True)  # LRA format
+    write_tsv(str(tmp_path / "test_d20s.tsv"), splits["test"], header=False)  # original format
+    out = tmp_path / "out"
+    assert listops.main(["--smoke", "--train_file", str(tmp_path / "train.tsv"), "--test_file",
+                         str(tmp_path / "test_d20s.tsv"), "--arms", "3op", "--output_dir", str(out), *THREADS]) == 0
+    summary = _summary(out / "3op-seed0")
+    per_depth = summary["test_accuracy_per_depth"]
+    assert sum(group["examples"] for group in per_depth.values()) == summary["test_examples"] == 60
+    assert summary["test_accuracy"] == pytest.approx(
+        sum(g["accuracy"] * g["examples"] for g in per_depth.values()) / 60)
+    assert len(summary["thresholds"]["1"]) == 2, "three operators: τ_lo and τ_hi"
+    assert summary["data"]["sources"]["test"].endswith("test_d20s.tsv")
+    assert "generated" in summary["data"]["sources"]["validation"]
+    # A file whose labels the evaluator does not reproduce is refused.
+    wrong = tmp_path / "wrong.tsv"
+    wrong.write_text("1\t( ( ( [MAX 2 ) 9 ) ] )\n", encoding="utf-8")
+    assert listops.main(["--smoke", "--test_file", str(wrong), "--output_dir", str(tmp_path / "o2"), *THREADS]) == 2
+
+
+def test_bpe_tokenizer_is_saved_reloaded_and_reused(tmp_path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    lines = [" ".join(random.Random(i).choice(WORDS) for _ in range(12)) + " \n" for i in range(300)]
+    tokenizer = train_bpe_tokenizer(lines, 320, str(tmp_path / "tok"))
+    assert isinstance(tokenizer, PreTrainedTokenizerFast) and len(tokenizer) <= 320
+    reloaded = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    text = "the king of ünïcode 123\n"
+    assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert reloaded.decode(reloaded(text)["input_ids"]) == text  # byte level: nothing is unknown
+    assert reloaded.pad_token == reloaded.eos_token == "<|endoftext|>"
+    stamp = os.path.getmtime(tmp_path / "tok" / "tokenizer.json")
+    train_bpe_tokenizer(lines, 320, str(tmp_path / "tok"))
+    assert os.path.getmtime(tmp_path / "tok" / "tokenizer.json") == stamp, "same texts and size: reused"
+    assert len(train_bpe_tokenizer(lines, 280, str(tmp_path / "tok"))) <= 280
+
+
+def test_training_arguments_fields_pass_through_the_command_line():
+    found = parse_training_overrides(["--gradient_accumulation_steps", "2", "--optim", "adamw_torch",
+                                      "--dataloader_num_workers=1"])
+    assert found == {"gradient_accumulation_steps": 2, "optim": "adamw_torch", "dataloader_num_workers": 1}
+    with pytest.raises(SystemExit, match="not_a_field"):
+        parse_training_overrides(["--not_a_field", "3"])
+    assert parse_training_overrides([]) == {}
