@@ -441,3 +441,38 @@ def test_the_plugin_still_loads_its_own_classes_from_a_folder_with_remote_code(t
                                  ("AutoModelForSequenceClassification", EGAForSequenceClassification)):
         loaded = getattr(transformers, auto).from_pretrained(tmp_path)  # no trust_remote_code: the plugin's classes
         assert type(loaded) is expected_class
+
+
+def test_push_to_hub_uploads_the_code_with_the_weights(tmp_path, monkeypatch):
+    import transformers.utils.hub as hub
+
+    uploads = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    class FakeCard:
+        def save(self, path):
+            Path(path).write_text("card\n")
+
+    def upload(self, working_dir, repo_id, files_timestamps, **kwargs):
+        folder = Path(working_dir)
+        uploads.append({"repo_id": repo_id, "files": sorted(p.name for p in folder.iterdir()),
+                        "auto_map": json.loads((folder / "config.json").read_text())["auto_map"],
+                        "commit_message": kwargs.get("commit_message")})
+
+    monkeypatch.setattr(hub, "hf_api", FakeApi)
+    monkeypatch.setattr(hub, "create_and_tag_model_card", lambda *args, **kwargs: FakeCard())
+    monkeypatch.setattr(hub.PushToHubMixin, "_upload_modified_files", upload)
+    model = EGAForCausalLM(FAMILIES["ega_gpt"][0](40, None))
+    model.save_pretrained(tmp_path / "local", push_to_hub=True, repo_id="someone/ega", commit_message="first")
+    assert len(uploads) == 1  # the upload happens once, after the code is written
+    pushed = uploads[0]
+    assert pushed["repo_id"] == "someone/ega" and pushed["commit_message"] == "first"
+    assert {"modeling_ega_gpt.py", "configuration_ega_gpt.py", "remote_code.py", "model.safetensors"} <= set(pushed["files"])
+    assert pushed["auto_map"]["AutoModel"] == "modeling_ega_gpt.EGAModel"
+    assert (tmp_path / "local" / "modeling_ega_gpt.py").is_file()  # the local folder is complete as well
+    # A process other than the main one writes no code (transformers writes nothing either).
+    model.save_pretrained(tmp_path / "other rank", is_main_process=False)
+    assert not list((tmp_path / "other rank").glob("*.py"))

@@ -18,6 +18,7 @@ register its classes that way, their ``save_pretrained`` calls `save_model_code`
 """
 
 import ast
+import inspect
 import json
 import os
 import re
@@ -118,6 +119,34 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
     _write_atomically(json_file, json.dumps(values, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     written.append(str(json_file))
     return written
+
+
+# Arguments of ``save_pretrained(..., push_to_hub=True, ...)`` that belong to the upload.
+_HUB_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", "revision", "create_pr", "tags")
+
+
+def save_pretrained_with_code(parent_save_pretrained, obj, save_directory, *args, **kwargs):
+    """The body of a ``save_pretrained`` override: the parent's ``save_pretrained``, then `save_model_code`.
+
+    ``parent_save_pretrained`` is the bound parent method (``super().save_pretrained``). On a process other than the
+    main one (``is_main_process=False``) nothing more is written, and a model saving only its PEFT adapters (loaded
+    through transformers' PEFT integration) needs no model code. ``push_to_hub=True`` is honoured after the code is
+    written (the parent would upload before it): through ``obj.push_to_hub``, which saves into a temporary folder,
+    code included, and uploads all of it.
+    """
+    push_to_hub = kwargs.pop("push_to_hub", False)
+    hub_arguments = {name: kwargs.pop(name) for name in _HUB_ARGUMENTS if name in kwargs}
+    result = parent_save_pretrained(save_directory, *args, **kwargs)
+    bound = inspect.signature(parent_save_pretrained).bind_partial(save_directory, *args, **kwargs).arguments
+    if not bound.get("is_main_process", True):
+        return result
+    if not getattr(obj, "_hf_peft_config_loaded", False):
+        save_model_code(obj, save_directory)
+    if push_to_hub:
+        repo_id = hub_arguments.pop("repo_id", None) or Path(save_directory).name
+        extra = {name: kwargs[name] for name in ("token", "max_shard_size") if name in kwargs}
+        obj.push_to_hub(repo_id, **extra, **hub_arguments)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------------------

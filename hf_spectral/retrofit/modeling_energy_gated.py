@@ -24,7 +24,7 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from ..ops.energy_gate import EnergyGate, MorletEnergy
-from ..ops.remote_code import save_model_code
+from ..ops.remote_code import save_pretrained_with_code
 from .config import EnergyGateConfig
 from .layer import AttentionConfigView, gated_attention_class, set_token_mask_hook
 
@@ -196,20 +196,17 @@ class EnergyGatedModelMixin:
         init_energy_gates(self)
         super().initialize_weights()
 
-    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+    def save_pretrained(self, save_directory, *args, **kwargs):
         # The folder carries this file and what it imports, so it loads with trust_remote_code without hf_spectral.
-        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if is_main_process:
-            save_model_code(self, save_directory)
+        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
 
 
 class EnergyGatedConfigMixin:
     """Mixed into a stock config class: a config saved alone also carries the code (and a complete ``auto_map``),
     so that ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works without hf_spectral."""
 
-    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
-        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
-        save_model_code(self, save_directory)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
 
 
 def _gated_config(family: Family) -> type:
