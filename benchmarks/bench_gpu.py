@@ -386,11 +386,13 @@ def build_models(run: Run, names, builder, common: dict, backend: str) -> dict:
 
 def probe_backend(run: Run, models: dict, ids, common: dict) -> dict:
     """One forward per model: a backend that builds but fails at the first call is reported as not supported. It runs
-    on the measured batch, so that a compiled backend (flex_attention) compiles for that shape once."""
+    on the measured batch, so that a compiled backend (flex_attention) compiles its forward for that shape once."""
     usable = {}
     for name, model in models.items():
         try:
-            forward_call(model, ids)()
+            # Under the training's autocast: the same bfloat16 attention inputs as the later bfloat16 forward.
+            with torch.autocast(run.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
+                forward_call(model, ids)()
             usable[name] = model
         except Exception as error:
             print(f"  {name} with {common['backend']}: first forward failed: {first_line(error)}", flush=True)
@@ -433,8 +435,8 @@ def bench_ega(run: Run, budget: Budget, size: dict, backend: str):
         measure(run, budget, f"ega/{size['label']}/{backend}/train", steps, "gpt2",
                 {**base, "measurement": "train", "batch": size["train_batch"]},
                 size["train_batch"] * size["length"], peaks, extra)
-    del steps
-    for model in models.values():  # the optimizer state goes with the closures; inference runs in bfloat16
+    del steps, step, optimizer  # the optimizer states go with the closures
+    for model in models.values():  # inference runs in bfloat16
         model.zero_grad(set_to_none=True)
         model.to(run.dtype)
     if run.clock.cuda:
@@ -555,7 +557,7 @@ def bench_chiar(run: Run, budget: Budget, length: int, batch: int, backend: str)
     if len(steps) == 2:
         measure(run, budget, f"chiar/{length}/{backend}/train", steps, "all_attention",
                 {**base, "measurement": "train"}, batch * length, peaks, extra)
-    del steps
+    del steps, step
     for model in models.values():
         model.zero_grad(set_to_none=True)
         model.to(run.dtype)
@@ -774,16 +776,29 @@ def write_results(run: Run):
 
 
 def read_tests_summary(path: str | None) -> list[str]:
-    """The outcome lines of a pytest log (``-rA`` summary and the final count), for the results file."""
+    """The outcome lines of a pytest log: its short summary (``-rA``) and final count where pytest got that far, else
+    the per-test lines of ``-v`` (a run stopped at its time limit), and the check script's own lines."""
     if not path:
         return []
     if not os.path.exists(path):
         return [f"(no test log at {path})"]
     with open(path, encoding="utf-8", errors="replace") as handle:
         lines = [line.rstrip() for line in handle]
-    keep = [line for line in lines if line.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS",
-                                                       "==", "GPU check:", "no tests ran"))]
-    return keep[-200:] or lines[-40:]
+    outcomes = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+    keep, in_summary = [], False  # (line, is a per-test -v line of the pytest run being read)
+    for line in lines:
+        if "short test summary info" in line:
+            in_summary = True
+            keep = [entry for entry in keep if not entry[1]]  # the summary replaces that run's -v lines
+        elif line.startswith("GPU check") or (line.startswith("=") and (" in " in line or "no tests ran" in line)):
+            keep = [(text, False) for text, _ in keep]
+            keep.append((line, False))
+            in_summary = False
+        elif in_summary and line.startswith(outcomes):
+            keep.append((line, False))
+        elif not in_summary and "::" in line and any(f" {word}" in line for word in outcomes):
+            keep.append((line, True))
+    return [text for text, _ in keep][-300:] or lines[-40:]
 
 
 def main(argv=None):

@@ -13,6 +13,7 @@
 #   GPU_CHECK_TOTAL_S    wall-clock limit of the whole check in seconds (default 450)
 #   GPU_CHECK_TESTS_S    limit of the CUDA tests (default 150)
 #   GPU_CHECK_RESULTS    folder of the results (default results/benchmarks)
+#   GPU_CHECK_TESTS_DIR  where the CUDA tests are looked for (default tests)
 #   GPU_CHECK_CPU=1      run the same steps on a CPU (tests skip what needs CUDA, the benchmark runs with
 #                        --device cpu --tiny): checks the machinery, measures nothing
 #   OUT                  when set, the results and logs are copied there too
@@ -30,6 +31,7 @@ PY="${PYTHON:-python3}"
 TOTAL_S="${GPU_CHECK_TOTAL_S:-450}"
 TESTS_S="${GPU_CHECK_TESTS_S:-150}"
 RESULTS="${GPU_CHECK_RESULTS:-results/benchmarks}"
+TESTS_DIR="${GPU_CHECK_TESTS_DIR:-tests}"
 CPU_MODE="${GPU_CHECK_CPU:-0}"
 BENCH_ARGS=()
 if [ "${1:-}" = "--" ]; then
@@ -42,7 +44,8 @@ LOG="$RESULTS/gpu_check.log"
 TESTS_LOG="$RESULTS/gpu_tests.log"
 START=$(date +%s)
 
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# COLUMNS: pytest cuts its summary lines (the failure messages) to the terminal width.
+export COLUMNS=200 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 elapsed() { echo $(( $(date +%s) - START )); }
@@ -107,26 +110,28 @@ print('transformers', transformers.__version__)
         return 3
     fi
 
-    # CUDA tests: every tests/**/test_cuda*.py file, and tests marked `cuda` in other files.
+    # CUDA tests: every test_cuda*.py file under the tests, and the tests marked `cuda` in other files.
     local status=0 files marked
-    files=$(find tests -name 'test_cuda*.py' | sort)
-    marked=$(grep -rlE --include='test_*.py' 'pytest\.mark\.cuda\b' tests | grep -v '/test_cuda' | sort)
+    files=$(find "$TESTS_DIR" -name 'test_cuda*.py' | sort)
+    marked=$(grep -rlE --include='test_*.py' 'pytest\.mark\.cuda\b' "$TESTS_DIR" | grep -v '/test_cuda' | sort)
     : >"$TESTS_LOG"
     if [ -z "$files" ] && [ -z "$marked" ]; then
         say "no CUDA tests found (tests/**/test_cuda*.py or @pytest.mark.cuda)" | tee -a "$TESTS_LOG"
     else
         say "CUDA tests: $(echo $files $marked)"
-        local left=$TESTS_S started
+        local left=$TESTS_S started per_test=()
+        # A test that hangs fails alone (pytest-timeout, where installed) instead of taking the whole run's limit.
+        if "$PY" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout=90); fi
         if [ -n "$files" ]; then
             started=$(date +%s)
             # shellcheck disable=SC2086
-            timeout -k 10 "$left" "$PY" -m pytest -q -rA -p no:cacheprovider $files 2>&1 | tee -a "$TESTS_LOG"
+            timeout -k 10 "$left" "$PY" -m pytest -v -rA -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} $files 2>&1 | tee -a "$TESTS_LOG"
             status=${PIPESTATUS[0]}
             left=$(( left - ($(date +%s) - started) ))
         fi
         if [ -n "$marked" ] && [ "$status" -ne 124 ] && [ "$left" -gt 10 ]; then
             # shellcheck disable=SC2086
-            timeout -k 10 "$left" "$PY" -m pytest -q -rA -p no:cacheprovider -m cuda $marked 2>&1 | tee -a "$TESTS_LOG"
+            timeout -k 10 "$left" "$PY" -m pytest -v -rA -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} -m cuda $marked 2>&1 | tee -a "$TESTS_LOG"
             local marked_status=${PIPESTATUS[0]}
             # pytest's 5 is "nothing collected": no test in those files carries the marker after all
             if [ "$marked_status" -ne 0 ] && [ "$marked_status" -ne 5 ]; then status=$marked_status; fi
@@ -146,8 +151,8 @@ print('transformers', transformers.__version__)
     local device_args=()
     if [ "$CPU_MODE" = "1" ]; then device_args=(--device cpu --tiny); budget_s=10; fi
     say "benchmark: budget ${budget_s} s, limit ${left_s} s"
-    timeout -k 10 "$left_s" "$PY" benchmarks/bench_gpu.py "${device_args[@]}" --budget_s "$budget_s" \
-        --out "$RESULTS" --name "$NAME" --tests_log "$TESTS_LOG" "${BENCH_ARGS[@]}"
+    timeout -k 10 "$left_s" "$PY" benchmarks/bench_gpu.py ${device_args[@]+"${device_args[@]}"} --budget_s "$budget_s" \
+        --out "$RESULTS" --name "$NAME" --tests_log "$TESTS_LOG" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
     local bench_status=$?
     if [ "$bench_status" -ne 0 ]; then
         say "benchmark FAILED or stopped at its limit (exit $bench_status); $RESULTS/$NAME.md keeps what was measured"

@@ -29,24 +29,72 @@ def test_script_parses():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
 
 
+FAKE_CUDA_TESTS = {
+    "test_cuda_fake.py": """
+import pytest
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert False, "planted failure"
+
+@pytest.mark.skip(reason="needs CUDA")
+def test_skipped():
+    pass
+""",
+    "test_other.py": """
+import pytest
+
+@pytest.mark.cuda
+def test_marked_cuda():
+    pass
+
+def test_not_marked():
+    raise AssertionError("a test without the cuda marker must not run")
+""",
+    "test_unrelated.py": "def test_never_collected():\n    raise AssertionError('not a CUDA test')\n",
+}
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
-    """The whole check in CPU mode, with a backend no model knows beside SDPA (run from another folder: the script
-    finds the repository itself)."""
+    """The whole check in CPU mode, run from another folder (the script finds the repository itself), on planted CUDA
+    tests (one fails), with a backend no model knows beside SDPA."""
     tmp_path = tmp_path_factory.mktemp("gpu_check")
-    result = run_script(tmp_path, "--", "--backends", "sdpa", "not_a_backend", GPU_CHECK_CPU="1")
+    tests = tmp_path / "cuda_tests"
+    tests.mkdir()
+    for name, text in FAKE_CUDA_TESTS.items():
+        (tests / name).write_text(text)
+    result = run_script(tmp_path, "--", "--backends", "sdpa", "not_a_backend", GPU_CHECK_CPU="1",
+                        GPU_CHECK_TESTS_DIR=str(tests))
     return tmp_path, result
 
 
 def test_cpu_run_completes_and_copies_results(cpu_run):
     tmp_path, result = cpu_run
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    # Exit 1: the benchmark completed, a (planted) CUDA test failed.
+    assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "CUDA tests FAILED" in result.stdout
     assert "finished in" in result.stdout
     copied = sorted(os.listdir(tmp_path / "out"))
     assert copied == ["gpu_check.log", "gpu_tests.log", "gpu_tiny.json", "gpu_tiny.md"]
     for name in copied:
         with open(tmp_path / "results" / name, encoding="utf-8") as a, open(tmp_path / "out" / name, encoding="utf-8") as b:
             assert a.read() == b.read(), name
+
+
+def test_cpu_run_reports_the_cuda_tests(cpu_run):
+    tmp_path, _ = cpu_run
+    with open(tmp_path / "results" / "gpu_tiny.json", encoding="utf-8") as handle:
+        lines = json.load(handle)["tests"]
+    text = "\n".join(lines)
+    assert any(line.startswith("PASSED") and "test_cuda_fake.py::test_passes" in line for line in lines), text
+    assert any(line.startswith("FAILED") and "test_cuda_fake.py::test_fails" in line for line in lines), text
+    assert any(line.startswith("SKIPPED") and "needs CUDA" in line for line in lines), text
+    assert any(line.startswith("PASSED") and "test_other.py::test_marked_cuda" in line for line in lines), text
+    assert "test_not_marked" not in text and "test_never_collected" not in text
+    assert any("CUDA tests FAILED" in line for line in lines), text
 
 
 def test_cpu_run_measures_every_section(cpu_run):
@@ -117,3 +165,17 @@ def test_script_stops_when_torch_is_missing(tmp_path):
     result = run_script(tmp_path, PYTHON="/bin/false")
     assert result.returncode == 3
     assert "cannot import torch" in result.stdout
+
+
+def test_tests_summary_of_a_run_stopped_at_its_limit(tmp_path):
+    """A pytest run killed by the time limit prints no summary: its per-test lines (-v) are kept instead."""
+    from benchmarks.bench_gpu import read_tests_summary
+
+    log = tmp_path / "gpu_tests.log"
+    log.write_text("collected 2 items\n\ntests/a.py::test_x PASSED [ 50%]\ntests/a.py::test_y FAILED [100%]\n"
+                   "GPU check [160 s]: CUDA tests STOPPED at their 150 s limit\n")
+    assert read_tests_summary(str(log)) == [
+        "tests/a.py::test_x PASSED [ 50%]", "tests/a.py::test_y FAILED [100%]",
+        "GPU check [160 s]: CUDA tests STOPPED at their 150 s limit",
+    ]
+    assert read_tests_summary(str(tmp_path / "missing.log")) == [f"(no test log at {tmp_path / 'missing.log'})"]
