@@ -56,6 +56,8 @@ _LOADER = textwrap.dedent(
             model = getattr(transformers, job["auto"]).from_config(config, trust_remote_code=True)
             results[job["name"]] = {"class": type(model).__module__ + "." + type(model).__name__,
                                     "gate_parameters": [n for n, _ in model.named_parameters() if ".energy_gate." in n]}
+            if job.get("resave"):  # the remotely loaded config saved alone
+                config.save_pretrained(job["resave"])
             continue
         loaded = getattr(transformers, job["auto"]).from_pretrained(job["path"], trust_remote_code=True)
         result = {"class": type(loaded).__module__ + "." + type(loaded).__name__}
@@ -188,6 +190,9 @@ def test_every_class_and_the_tokenizer_load_without_the_plugin(tmp_path, family)
         jobs.append(job)
     jobs.append({"name": "tokenizer", "auto": "AutoTokenizer", "path": str(tmp_path / "AutoModelForCausalLM"),
                  "text": TEXT})
+    config.save_pretrained(tmp_path / "config only")  # a config saved alone carries the model code too
+    jobs.append({"name": "config only", "path": str(tmp_path / "config only"), "from_config": True,
+                 "auto": "AutoModelForCausalLM", "resave": str(tmp_path / "config resaved")})
 
     results = run_without_plugin(jobs, tmp_path)
 
@@ -216,6 +221,12 @@ def test_every_class_and_the_tokenizer_load_without_the_plugin(tmp_path, family)
     assert json.loads((second / "config.json").read_text())["auto_map"] == json.loads(
         (first / "config.json").read_text()
     )["auto_map"]
+
+    assert results["config only"]["class"].endswith(f".{causal_class.__name__}")
+    resaved_map = json.loads((tmp_path / "config resaved" / "config.json").read_text())["auto_map"]
+    assert resaved_map["AutoConfig"] == json.loads((first / "config.json").read_text())["auto_map"]["AutoConfig"]
+    for reference in resaved_map.values():  # every entry names a file the folder holds
+        assert (tmp_path / "config resaved" / f"{reference.rpartition('.')[0]}.py").is_file(), reference
 
     loaded_tokenizer = results["tokenizer"]
     assert loaded_tokenizer["class"].endswith(".tokenization_char.CharTokenizer")
