@@ -55,7 +55,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_chiar_former import ChiarConfig
 from ...ops.pooling import SequencePooling
-from ...ops.remote_code import save_model_code
+from ...ops.remote_code import save_pretrained_with_code
 from ...ops.random_features import (
     authors_rbf_mixing,
     bidirectional_kernel_attention,
@@ -561,9 +561,7 @@ class ChiarPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' ``save_pretrained``, then the code that loads the folder without the plugin
         (``trust_remote_code=True``): the configuration and modeling files, the ops files they import, the ``auto_map``."""
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            save_model_code(self, save_directory)
+        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
 
     def _init_weights(self, module):
         # Linear / Embedding: N(0, initializer_range), biases 0; LayerNorm: 1, 0; the rotary embedding's frequencies.

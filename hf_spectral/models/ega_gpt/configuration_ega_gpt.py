@@ -7,6 +7,7 @@ from transformers.activations import ACT2FN
 from transformers.utils import logging
 
 from ...ops.pooling import POOLING_MODES
+from ...ops.remote_code import save_pretrained_with_code
 from ...ops.validation import (
     check_bool,
     check_choice,
@@ -197,6 +198,11 @@ class EGAConfig(PreTrainedConfig):
                 f"`energy_norm_eps={self.energy_norm_eps!r}` bounds the std of the energy statistics and would be "
                 "ignored with `energy_normalization='none'`"
             )
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, then the model code beside the config (``ops/remote_code.py``), so that
+        ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works where hf_spectral is not installed."""
+        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):

@@ -46,7 +46,7 @@ from ...ops.gated_attention import (
     replace_folded_bias,
 )
 from ...ops.pooling import SequencePooling
-from ...ops.remote_code import save_model_code
+from ...ops.remote_code import save_pretrained_with_code
 from .configuration_ega_gpt import EGAConfig
 
 
@@ -226,9 +226,7 @@ class EGAPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained``, then the code that loads the folder with ``trust_remote_code=True``
         where hf_spectral is not installed (``ops/remote_code.py``)."""
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            save_model_code(self, save_directory)
+        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
 
 
 def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past_length) -> None:
