@@ -313,6 +313,7 @@ class Run:
         self.clock = Clock(device)
         self.rows = []
         self.sections = {}
+        self.compiled_graphs = {}
         self.started = time.perf_counter()
         self.complete = False
         self.backends = {}
@@ -320,11 +321,20 @@ class Run:
     def add(self, **row):
         self.rows.append(row)
 
-    def section(self, name: str, started: float):
+    def section(self, name: str, started: float, graphs_before: int):
         elapsed = time.perf_counter() - started
         self.sections[name] = round(elapsed, 1)
-        print(f"[{name}] {elapsed:.1f} s (total {time.perf_counter() - self.started:.1f} s)", flush=True)
+        self.compiled_graphs[name] = compiled_graphs() - graphs_before
+        print(f"[{name}] {elapsed:.1f} s, {self.compiled_graphs[name]} graph(s) compiled (total "
+              f"{time.perf_counter() - self.started:.1f} s)", flush=True)
         write_results(self)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (flex_attention compiles; recompiles show here)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def measure(run: Run, budget: Budget, key: str, fns: dict, baseline: str, common: dict, tokens: int,
@@ -714,8 +724,10 @@ def markdown(run: Run, record: dict) -> str:
         out += ["| " + " | ".join(used) + " |", "|" + "---|" * len(used)]
         out += ["| " + " | ".join(fmt(r.get(c)) for c in used) + " |" for r in rows]
         out.append("")
+    graphs = record["compiled_graphs"]
     out += ["## Elapsed time per section (s)", "",
-            *[f"- {name}: {seconds}" for name, seconds in record["elapsed_s"].items()], ""]
+            *[f"- {name}: {seconds}" + (f" ({graphs[name]} graphs compiled by torch.compile)" if graphs.get(name) else "")
+              for name, seconds in record["elapsed_s"].items()], ""]
     out += ["## How to read this", "", *[f"- {note}" for note in record["notes"]], ""]
     out += ["## Provenance", "", f"- command: `{record['command']}`", f"- date: {record['date']}",
             f"- environment: `{json.dumps(env)}`", f"- settings: `{json.dumps(record['settings'])}`", ""]
@@ -764,6 +776,7 @@ def write_results(run: Run):
         "targets": target_lines(run.rows),
         "tests": read_tests_summary(args.tests_log),
         "elapsed_s": dict(run.sections),
+        "compiled_graphs": dict(run.compiled_graphs),
         "notes": NOTES,
         "rows": run.rows,
     }
@@ -850,7 +863,7 @@ def main(argv=None):
     budget = Budget(args.budget_s, {key: w for _, weights in tasks for key, w in weights.items()})
     write_results(run)
     for (kind, what, backend), _ in tasks:
-        started = time.perf_counter()
+        started, graphs_before = time.perf_counter(), compiled_graphs()
         label = f"{kind} {what['label'] if kind == 'ega' else 'T=%d B=%d' % what} {backend}"
         print(f"[{label}] budget left {budget.left():.0f} s", flush=True)
         try:
@@ -863,7 +876,7 @@ def main(argv=None):
             run.add(section=kind, size=what["label"] if kind == "ega" else "", backend=backend,
                     length=what["length"] if kind == "ega" else what[0], measurement="section", model="",
                     status="error: " + first_line(error))
-        run.section(label, started)
+        run.section(label, started, graphs_before)
     run.complete = True
     run.sections["total"] = round(time.perf_counter() - run.started, 1)
     write_results(run)
