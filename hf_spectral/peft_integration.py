@@ -113,7 +113,7 @@ def _adapter_file(model_id, filename: str, hub_kwargs: dict) -> str | None:
     try:
         return cached_file(str(model_id), filename, _raise_exceptions_for_missing_entries=False,
                            _raise_exceptions_for_connection_errors=False, **hub_kwargs)
-    except OSError:
+    except (OSError, ValueError):  # no such repository or an invalid id: PEFT reports it when it loads the adapter
         return None
 
 
@@ -124,13 +124,10 @@ def _is_gate_key(key: str) -> bool:
 def adapter_gate_info(model_id, **kwargs) -> tuple[dict | None, bool]:
     """(gate configuration recorded in the adapter or None, whether the adapter's weights hold gate parameters)."""
     hub_kwargs = _hub_kwargs(kwargs)
-    config_path = _adapter_file(model_id, GATE_CONFIG_NAME, hub_kwargs)
-    gate_config = None
-    if config_path is not None:
-        with open(config_path, encoding="utf-8") as handle:
-            gate_config = json.load(handle)
-    has_gate_weights = False
-    for name in ADAPTER_WEIGHTS_NAMES:
+    if _adapter_file(model_id, "adapter_config.json", hub_kwargs) is None:
+        return None, False  # not an adapter we can reach: PEFT reports that itself (one failed lookup, not three)
+    keys = None
+    for name in ADAPTER_WEIGHTS_NAMES:  # the file PEFT loads next (a Hub download is cached for it)
         path = _adapter_file(model_id, name, hub_kwargs)
         if path is None:
             continue
@@ -143,9 +140,15 @@ def adapter_gate_info(model_id, **kwargs) -> tuple[dict | None, bool]:
             import torch
 
             keys = list(torch.load(path, map_location="cpu", weights_only=True))
-        has_gate_weights = any(_is_gate_key(key) for key in keys)
         break
-    return gate_config, has_gate_weights
+    if keys is None:
+        return None, False  # no adapter weights to be found: PEFT reports that itself
+    config_path = _adapter_file(model_id, GATE_CONFIG_NAME, hub_kwargs)
+    gate_config = None
+    if config_path is not None:
+        with open(config_path, encoding="utf-8") as handle:
+            gate_config = json.load(handle)
+    return gate_config, any(_is_gate_key(key) for key in keys)
 
 
 def prepare_model_for_adapter(model, model_id, *, add_missing_gates: bool = True, **kwargs) -> None:
