@@ -38,12 +38,14 @@ def pushed_smoke_run(tiny_shakespeare, tmp_path_factory):
         uploads.append({"repo_id": repo_id, "files": files, "readme": readme, "ignore": kwargs.get("ignore_patterns")})
         return mock.MagicMock()
 
+    previous_umask = os.umask(0o022)  # what the files' permissions are checked against
     with mock.patch.object(HfApi, "create_repo", create_repo), mock.patch.object(HfApi, "upload_folder", upload_folder):
         code = tinyshakespeare.main([
             "--smoke", "--variants", "BASE", "EGA-1:window", "--data_path", tiny_shakespeare,
             "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "someone/ega-smoke",
             "--hub_strategy", "end", "--threads", "2",
         ])
+    os.umask(previous_umask)
     return {"dir": output_dir, "code": code, "uploads": uploads, "created": created}
 
 
@@ -64,6 +66,9 @@ def test_smoke_run_writes_models_summaries_table_and_figures(pushed_smoke_run):
     assert (out / "validation_curves.png").is_file()
     results = json.loads((out / "results.json").read_text())
     assert [row["model"] for row in results["rows"]] == ["BASE", "EGA-1 (window)"]
+    # Ordinary permissions under umask 022 (safetensors alone would write the model as 0600)
+    for path in out.rglob("*"):  # (the folder itself is pytest's, 0700)
+        assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
     assert results["command"].startswith("python") and results["hardware"]["cpu_count"] and results["seeds"] == [0]
 
 
