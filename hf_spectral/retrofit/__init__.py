@@ -8,6 +8,7 @@
     mark_only_gates_trainable(model)               # then train with Trainer / accelerate
     model.save_pretrained("gated")                 # config.json records the gates
     AutoModelForCausalLM.from_pretrained("gated")  # gates restored (with hf_spectral imported)
+    AutoModelForCausalLM.from_pretrained("gated", trust_remote_code=True)  # the same, where it is not installed
 
 Gates next to LoRA adapters (PEFT): the gates train through ``modules_to_save`` and are stored in the adapter;
 ``save_pretrained`` also writes the gate configuration (``energy_gate_config.json``) into the adapter folder.

@@ -1,9 +1,10 @@
 """Model-level retrofit: find the attention layers of a supported model, inject energy gates, save and load them.
 
 A retrofitted model is a model type of its own (``energy_gated_gpt2``, ``energy_gated_llama``, ...): the stock
-config and model classes with the gate configuration on top, registered with the Auto classes. Saved with
-``save_pretrained`` it therefore loads back, gates included, through ``AutoModelForCausalLM.from_pretrained``
-wherever hf_spectral is imported; its weights keep the stock names, plus ``...attn.energy_gate.*``.
+config and model classes with the gate configuration on top (``modeling_energy_gated.py``), registered with the
+Auto classes. Saved with ``save_pretrained`` it therefore loads back, gates included, through
+``AutoModelForCausalLM.from_pretrained`` wherever hf_spectral is imported, and with ``trust_remote_code=True`` where
+it is not (the folder carries the code); its weights keep the stock names, plus ``...attn.energy_gate.*``.
 """
 
 import json
