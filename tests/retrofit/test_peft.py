@@ -141,6 +141,10 @@ def test_transformers_load_adapter_restores_the_gates_too(tmp_path):
     ids, mask = batch()
     assert has_energy_gates(model)
     torch.testing.assert_close(logits(model, ids, mask), expected, atol=1e-6, rtol=0)
+    # an adapter folder given to the Auto class: transformers loads the base, then the adapter through load_adapter
+    auto = AutoModelForCausalLM.from_pretrained(adapter).eval()
+    assert has_energy_gates(auto)
+    torch.testing.assert_close(logits(auto, ids, mask), expected, atol=1e-6, rtol=0)
 
 
 def test_gate_weights_are_never_dropped_silently(tmp_path):
