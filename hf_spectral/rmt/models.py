@@ -9,6 +9,11 @@
 * ``attention_pooling_report``: α/κ of each layer's effective weights against R (given or estimated), next to
   mean, harmonic and optimal pooling.
 
+Batches, for every tool here: any mapping (a dict, or the ``BatchEncoding`` that transformers' tokenizers and data
+collators such as ``DataCollatorWithPadding`` yield) with ``input_ids``, optionally ``attention_mask`` and
+``labels``; a tensor of input ids; or a tuple/list of tensors as a ``TensorDataset`` yields it: ``(input_ids,)``,
+``(input_ids, labels)`` or ``(input_ids, attention_mask, labels)``. A ``DataLoader`` or a list of batches both work.
+
 Positions are indexed by *real* tokens (the t-th non-padding token of a sequence), as ``SequencePooling`` does, so
 left and right padding give the same result.
 
