@@ -387,6 +387,11 @@ def test_refuses_what_it_cannot_save(tmp_path):
     assert list((tmp_path / "empty").iterdir()) == []  # nothing written when it refuses
     with pytest.raises(TypeError, match="a model, a config or a tokenizer"):
         save_model_code(object(), tmp_path / "empty")
+    stock = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2))
+    stock.save_pretrained(tmp_path / "stock")
+    with pytest.raises(RemoteCodeError, match="GPT2Config is a transformers class"):
+        save_model_code(stock, tmp_path / "stock")
+    assert not list((tmp_path / "stock").glob("*.py"))
 
 
 def test_an_import_that_cannot_be_flattened_is_named(tmp_path):
@@ -487,3 +492,16 @@ def test_push_to_hub_uploads_the_code_with_the_weights(tmp_path, monkeypatch):
     # A process other than the main one writes no code (transformers writes nothing either).
     model.save_pretrained(tmp_path / "other rank", is_main_process=False)
     assert not list((tmp_path / "other rank").glob("*.py"))
+
+
+def test_a_tokenizer_gets_its_file_and_auto_map(tmp_path):
+    tokenizer = tokenizer_in(tmp_path)
+    config_file = tmp_path / "tokenizer_config.json"
+    values = json.loads(config_file.read_text())
+    assert values["auto_map"] == {"AutoTokenizer": ["tokenization_char.CharTokenizer", None]}  # transformers' save
+    (tmp_path / "tokenization_char.py").unlink()
+    config_file.write_text(json.dumps({key: value for key, value in values.items() if key != "auto_map"}))
+    written = save_model_code(tokenizer, tmp_path)
+    assert sorted(Path(path).name for path in written) == ["tokenization_char.py", "tokenizer_config.json"]
+    assert (tmp_path / "tokenization_char.py").read_bytes() == (PACKAGE / "tokenization_char.py").read_bytes()
+    assert json.loads(config_file.read_text()) == values

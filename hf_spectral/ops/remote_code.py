@@ -249,6 +249,10 @@ def _module_stem(cls) -> str:
 
 
 def _source_file(cls) -> str:
+    if cls.__module__.split(".")[0] == "transformers":
+        raise RemoteCodeError(
+            f"{cls.__name__} is a transformers class: a checkpoint of it loads without remote code (nothing to save)"
+        )
     module = sys.modules.get(cls.__module__)
     path = getattr(module, "__file__", None)
     if cls.__module__ == "__main__" or path is None or not path.endswith(".py"):
