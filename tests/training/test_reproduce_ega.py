@@ -74,3 +74,23 @@ def test_aggregation_refuses_to_write_results_while_runs_are_missing(tmp_path, c
     assert code == 1
     assert "not complete" in capsys.readouterr().out
     assert not (tmp_path / "results").exists()
+
+
+def test_smoke_runs_the_whole_pipeline_at_toy_size(tiny_shakespeare, tmp_path, capsys):
+    """`--smoke`: BASE and EGA-1 (causal, window), seed 0, the smoke preset, one recipe process at a time; the
+    table lands under the output folder, never in results/ega."""
+    out = tmp_path / "runs"
+    code = reproduce_ega.main(["--smoke", "--benchmarks", "tinyshakespeare", "--output_dir", str(out),
+                               "--max_steps", "4", "--eval_steps", "2", "--save_steps", "4",
+                               "--", "--data_path", tiny_shakespeare, "--no_plots"])
+    assert code == 0, capsys.readouterr().out[-3000:]
+    record = json.loads((out / "results" / "tinyshakespeare.json").read_text())
+    assert [row["model"] for row in record["rows"]] == ["BASE", "EGA-1 (causal)", "EGA-1 (window)"]
+    assert record["config"]["preset"] == "smoke" and record["seeds"] == [0]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == [
+        "tinyshakespeare-BASE-seed0.log", "tinyshakespeare-EGA-1-causal-seed0.log", "tinyshakespeare-EGA-1-window-seed0.log"]
+
+
+def test_smoke_refuses_another_preset():
+    with pytest.raises(SystemExit):
+        reproduce_ega.main(["--smoke", "--preset", "cpu", "--dry_run"])
