@@ -141,9 +141,9 @@ FAMILIES = {
         EGAModel, EGAForCausalLM, EGAForSequenceClassification,
     ),
     "chiar_former": (
-        lambda vocab, pad: ChiarConfig(
-            vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64,
-            pad_token_id=pad,
+        lambda vocab, pad: ChiarConfig(  # DCT, a layer routed among DCT / RBF / attention, attention
+            vocab_size=vocab, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, max_position_embeddings=64,
+            routed_operators=["dct", "rbf", "attention"], rbf_num_features=16, pad_token_id=pad,
         ),
         ChiarModel, ChiarForCausalLM, ChiarForSequenceClassification,
     ),
