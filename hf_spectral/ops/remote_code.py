@@ -138,8 +138,8 @@ def save_pretrained_with_code(parent_save_pretrained, obj, save_directory, *args
     hub_arguments = {name: kwargs.pop(name) for name in _HUB_ARGUMENTS if name in kwargs}
     result = parent_save_pretrained(save_directory, *args, **kwargs)
     bound = inspect.signature(parent_save_pretrained).bind_partial(save_directory, *args, **kwargs).arguments
-    if not bound.get("is_main_process", True):
-        return result
+    if not bound.get("is_main_process", True) or not Path(save_directory).is_dir():
+        return result  # (transformers only logs an error for a save_directory that is a file, and writes nothing)
     if not getattr(obj, "_hf_peft_config_loaded", False):
         save_model_code(obj, save_directory)
     if push_to_hub:
