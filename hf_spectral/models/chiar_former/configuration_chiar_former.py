@@ -7,6 +7,10 @@ from transformers.activations import ACT2FN
 from transformers.utils import logging
 
 from ...ops.pooling import POOLING_MODES
+from ...ops.remote_code import save_pretrained_with_code
+from ...ops.random_features import RBF_VARIANTS
+from ...ops.routing import ROUTER_TYPES
+from ...ops.spectral import DCT_IMPLEMENTATIONS
 from ...ops.validation import (
     check_bool,
     check_choice,
@@ -22,11 +26,8 @@ logger = logging.get_logger(__name__)
 
 OPERATORS = ("dct", "rbf", "attention")
 LAYER_OPERATORS = OPERATORS + ("routed",)
-ROUTER_TYPES = ("threshold", "hard", "soft")
 ROUTED_EXECUTIONS = ("sparse", "dense")
-RBF_VARIANTS = ("positive", "authors")
 LAYER_NORM_POSITIONS = ("post", "pre")
-DCT_IMPLEMENTATIONS = ("matrix", "fft")
 # Defaults of the fields that only some layouts read: a different value where nothing reads it is refused.
 DEFAULT_ROUTED_OPERATORS = ["dct", "attention"]
 DEFAULT_TAU_MID, DEFAULT_TAU_LO, DEFAULT_TAU_HI = 0.86, 0.855, 0.865
@@ -298,6 +299,16 @@ class ChiarConfig(PreTrainedConfig):
                 f"{', '.join(changed)} would be ignored: {len(self.routed_operators)} routed operators "
                 f"({self.routed_operators}) are split by {used}"
             )
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, then the model code beside the config (``ops/remote_code.py``), so that
+        ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works where hf_spectral is not installed."""
+        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
+
+    def validate_field_values(self):
+        """`@strict` class validator: re-runs the checks on `save_pretrained`, so that a value assigned after
+        construction (`config.layer_norm_eps = float("nan")`) is refused before it reaches a config.json."""
+        self._validate()
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):

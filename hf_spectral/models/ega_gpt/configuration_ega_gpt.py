@@ -204,6 +204,11 @@ class EGAConfig(PreTrainedConfig):
         ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works where hf_spectral is not installed."""
         return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
 
+    def validate_field_values(self):
+        """`@strict` class validator: re-runs the checks on `save_pretrained`, so that a value assigned after
+        construction (`config.layer_norm_eps = float("nan")`) is refused before it reaches a config.json."""
+        self._validate()
+
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         """transformers' `from_dict` (used by every `from_pretrained`), plus a warning naming the fields a loaded

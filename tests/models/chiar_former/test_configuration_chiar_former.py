@@ -4,7 +4,7 @@ import json
 import logging
 
 import pytest
-from huggingface_hub.errors import StrictDataclassFieldValidationError
+from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 from transformers import AutoConfig
 
 from hf_spectral import ChiarConfig
@@ -168,3 +168,11 @@ def test_authors_rbf_is_accepted_in_an_encoder():
 
 def test_regulariser_is_accepted_with_router_probabilities():
     assert tiny_config(router_type="hard", router_usage_entropy_weight=0.01).router_usage_entropy_weight == 0.01
+
+
+def test_a_bad_value_assigned_after_construction_is_refused_at_save(tmp_path):
+    config = tiny_config()
+    config.layer_thresholds = [[0.5], None, None, None]  # layer 0 is DCT: the threshold would be ignored
+    with pytest.raises(StrictDataclassClassValidationError, match=r"`layer_thresholds\[0\]=\[0.5\]` would be ignored"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
