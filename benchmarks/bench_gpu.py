@@ -16,9 +16,10 @@ What is measured (``benchmarks/gpu_check.sh`` runs it after the CUDA tests):
   where a model accepts it, `flex_attention` (a model that refuses it is reported as "not supported", with the
   reason). A check that each model's forward runs with SDPA restricted to the fused kernels (flash /
   memory-efficient, no math fallback).
-* CHIAR-Former (the authors' layout DCT / routed / routed / attention, threshold routing calibrated per routed
-  layer to the 75th entropy percentile, so that about 25% of the tokens take attention) against the same class
-  with attention in every layer, at T = 2048 and 4096: forward and training step.
+* CHIAR-Former (the authors' model: d = 256, 4 heads, layers DCT / routed / routed / attention, threshold routing
+  calibrated per routed layer to the 75th entropy percentile, so that about 25% of the tokens take attention)
+  against the same class with attention in every layer, at T = 2048 (batch 32) and 4096 (batch 16): forward and
+  training step, with the speed-up the FLOP counter allows at the measured routing beside it.
 
 Timing: each measurement runs its models in alternation (A B C, then C B A, ...) after two warm-up rounds; each
 call is timed with CUDA events between `torch.cuda.synchronize()` calls (so a model's host-side launch time is
@@ -80,7 +81,8 @@ def generation_settings(tiny: bool) -> list[dict]:
 def chiar_settings(tiny: bool, args) -> dict:
     if tiny:
         return dict(hidden=64, heads=4, vocab=65, lengths=[(64, 2), (128, 1)])
-    return dict(hidden=args.chiar_hidden, heads=args.chiar_heads, vocab=256, lengths=[(2048, 8), (4096, 4)])
+    # The authors' width (and that of the CPU benchmark), with batches that give the GPU 65k tokens per call.
+    return dict(hidden=args.chiar_hidden, heads=args.chiar_heads, vocab=256, lengths=[(2048, 32), (4096, 16)])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -509,13 +511,24 @@ def chiar_config(settings: dict, length: int, backend: str, **overrides):
     return ChiarConfig(**fields)
 
 
-def attention_fractions(model, ids) -> list:
-    """Fraction of the tokens each routed layer sends to attention, from the model's routing decisions."""
+def routing_summary(model, baseline, ids) -> dict:
+    """What CHIAR's routing does on ``ids``: the fraction of the tokens each routed layer sends to attention, and the
+    forward speed-up over ``baseline`` that the package's FLOP counter allows (total FLOPs, LM head included)."""
+    from hf_spectral.models.chiar_former import count_flops
+
     with torch.no_grad():
         output = model(input_ids=ids, use_cache=False)
     attention_index = list(model.config.routed_operators).index("attention")
-    decisions = getattr(output, "routing_decisions", None) or ()
-    return [round(float((d == attention_index).float().mean()), 4) for d in decisions]
+    decisions = [d.cpu() for d in getattr(output, "routing_decisions", None) or ()]
+    summary = {"attention_fraction": [round(float((d == attention_index).float().mean()), 4) for d in decisions]}
+    batch, length = ids.shape
+    try:
+        flops = count_flops(model.config, batch, length, decisions, lm_head_positions=length)["total"]
+        baseline_flops = count_flops(baseline.config, batch, length, (), lm_head_positions=length)["total"]
+        summary["flop_speedup_bound"] = round(baseline_flops / flops, 3)
+    except Exception as error:  # the counter is a cross-check; its failure does not stop the measurement
+        print(f"  FLOP counter failed: {first_line(error)}", flush=True)
+    return summary
 
 
 def bench_chiar(run: Run, budget: Budget, length: int, batch: int, backend: str):
@@ -548,7 +561,7 @@ def bench_chiar(run: Run, budget: Budget, length: int, batch: int, backend: str)
         thresholds = calibrate_thresholds(chiar, calibration, percentiles=(100.0 - run.args.attention_percent,),
                                           per_layer=True)["thresholds"]
         extra["chiar"] = {"thresholds": {str(k): [round(t, 5) for t in v] for k, v in thresholds.items()},
-                          "attention_fraction": attention_fractions(chiar, ids)}
+                          **routing_summary(chiar, models["all_attention"], ids)}
     except Exception as error:
         traceback.print_exc()
         run.add(**base, measurement="calibration", model="chiar", status="error: " + first_line(error))
@@ -665,6 +678,23 @@ def target_lines(rows: list[dict]) -> list[str]:
         off = (target - value) / target if higher_is_better else (value - target) / target
         return f"MISSED by {off:.1%}"
 
+    def sibling(row, model):
+        return next((r for r in rows if r["model"] == model and r.get("status") == "ok"
+                     and all(r.get(k) == row.get(k) for k in ("section", "measurement", "size", "backend", "batch",
+                                                              "length"))), None)
+
+    def where_the_time_goes(row):
+        """EGA-1 against BASE (the same code without gates) separates the gates' cost from the rest of the code's."""
+        base = sibling(row, "ega_base")
+        if row["section"] == "chiar" and row.get("attention_fraction") is not None:
+            bound = row.get("flop_speedup_bound")
+            return (f" [why: the routed layers send {', '.join(f'{f:.0%}' for f in row['attention_fraction'])} of the "
+                    f"tokens to attention" + (f"; the FLOP counter allows {bound:.2f}x" if bound else "") + "]")
+        if row["section"] != "ega" or base is None:
+            return ""
+        return (f" [why: BASE, the same code without gates, runs at {base['ratio_vs_baseline']:.3f}x GPT-2; EGA-1 at "
+                f"{row['ratio_vs_baseline'] / base['ratio_vs_baseline']:.3f}x BASE, the gates' own cost]")
+
     lines = []
     found = [r for r in rows if r["section"] == "ega" and r["measurement"] == GPU_TARGET["measurement"]
              and r["backend"] == GPU_TARGET["backend"] and r["model"] == GPU_TARGET["model"]]
@@ -677,7 +707,7 @@ def target_lines(rows: list[dict]) -> list[str]:
     else:
         value = target_row["ratio_vs_baseline"]
         lines.append(f"- **GPU target** {GPU_TARGET['text']}: {value:.3f}x at {target_row['size']} — "
-                     f"{verdict(value, GPU_TARGET['target'])}")
+                     f"{verdict(value, GPU_TARGET['target'])}{where_the_time_goes(target_row)}")
     lines.append("")
     lines.append("For reference, the CPU targets of the same comparisons (not GPU targets):")
     lines.append("")
@@ -691,12 +721,10 @@ def target_lines(rows: list[dict]) -> list[str]:
                 f"T={row['length']}"
         if target is not None:
             lines.append(f"- {where}: {row['ratio_vs_baseline']:.3f}x (≥ {target}) — "
-                         f"{verdict(row['ratio_vs_baseline'], target)}")
+                         f"{verdict(row['ratio_vs_baseline'], target)}{where_the_time_goes(row)}")
         if row["section"] == "ega" and kind == "train":
-            baseline = next((r for r in rows if r["section"] == "ega" and r["measurement"] == "train"
-                             and r["size"] == row["size"] and r["backend"] == row["backend"]
-                             and r["model"] == "gpt2" and r.get("peak_mib")), None)
-            if baseline and row.get("peak_mib"):
+            baseline = sibling(row, "gpt2")
+            if baseline and baseline.get("peak_mib") and row.get("peak_mib"):
                 ratio = (row["peak_mib"] + row["state_mib"]) / (baseline["peak_mib"] + baseline["state_mib"])
                 lines.append(f"- {where}: peak training memory {ratio:.3f}x GPT-2 (≤ "
                              f"{REFERENCE_TARGETS['peak_memory']}) — "
@@ -723,7 +751,8 @@ def markdown(run: Run, record: dict) -> str:
     if record.get("tests"):
         out += ["## CUDA tests", "", "```", *record["tests"], "```", ""]
     columns = ["measurement", "size", "backend", "batch", "length", "model", "status", "repeats", "median_ms",
-               "tokens_per_s", "ratio_vs_baseline", "peak_mib", "state_mib", "cache_class", "attention_fraction"]
+               "tokens_per_s", "ratio_vs_baseline", "peak_mib", "state_mib", "cache_class", "attention_fraction",
+               "flop_speedup_bound"]
     titles = {"ega": "EGA-1 vs GPT2LMHeadModel (ratios against `gpt2`; > 1 is faster)",
               "chiar": "CHIAR-Former vs all-attention (ratios against `all_attention`; > 1 is faster)"}
     for section, title in titles.items():
@@ -764,7 +793,8 @@ NOTES = [
     "EFFICIENT_ATTENTION])`, i.e. without the math fallback.",
     "CHIAR: thresholds calibrated per routed layer (`calibrate_thresholds(per_layer=True)`) on two other random "
     "batches at the entropy percentile that sends `attention_percent` of the tokens to attention; "
-    "`attention_fraction` is what each routed layer then sent on the measured batch.",
+    "`attention_fraction` is what each routed layer then sent on the measured batch; `flop_speedup_bound` is "
+    "the forward speed-up over the all-attention model that `count_flops` allows at that routing (LM head included).",
 ]
 
 
@@ -836,8 +866,8 @@ def main(argv=None):
     parser.add_argument("--backends", nargs="+", default=None,
                         help="attention backends (default: sdpa flex_attention; sdpa with --tiny)")
     parser.add_argument("--sections", nargs="+", default=["ega", "chiar"], choices=["ega", "chiar"])
-    parser.add_argument("--chiar_hidden", type=int, default=768)
-    parser.add_argument("--chiar_heads", type=int, default=12)
+    parser.add_argument("--chiar_hidden", type=int, default=256, help="CHIAR width (default 256, the authors')")
+    parser.add_argument("--chiar_heads", type=int, default=4)
     parser.add_argument("--attention_percent", type=float, default=25.0,
                         help="percent of the tokens CHIAR's routed layers send to attention")
     parser.add_argument("--max_repeats", type=int, default=None, help="rounds at most (default 20; 3 with --tiny)")
