@@ -505,3 +505,14 @@ def test_a_tokenizer_gets_its_file_and_auto_map(tmp_path):
     assert sorted(Path(path).name for path in written) == ["tokenization_char.py", "tokenizer_config.json"]
     assert (tmp_path / "tokenization_char.py").read_bytes() == (PACKAGE / "tokenization_char.py").read_bytes()
     assert json.loads(config_file.read_text()) == values
+
+
+def test_a_model_whose_gates_were_removed_saves_as_the_stock_model(tmp_path):
+    from hf_spectral.retrofit import remove_energy_gates
+
+    gated = add_energy_gates(GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2)))
+    gated.save_pretrained(tmp_path / "gated")
+    stock = remove_energy_gates(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gated"))
+    stock.save_pretrained(tmp_path / "stock")
+    assert not list((tmp_path / "stock").glob("*.py"))
+    assert "auto_map" not in json.loads((tmp_path / "stock" / "config.json").read_text())

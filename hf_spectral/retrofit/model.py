@@ -123,9 +123,22 @@ def remove_energy_gates(model):
     del decoder._energy_gated_attentions, decoder._energy_gate_hook
     del model.config.energy_gates
     model.config.__class__ = family.config_class
+    _forget_gated_remote_code(model.config)
     if hasattr(type(model), "stock_class"):
         model.__class__ = type(model).stock_class
     return model
+
+
+def _forget_gated_remote_code(config) -> None:
+    # A config loaded from a retrofitted checkpoint names the gated classes in `auto_map`; the stock model's folder
+    # carries no such code, so those entries would send `trust_remote_code=True` after a missing file.
+    auto_map = getattr(config, "auto_map", None)
+    if isinstance(auto_map, dict):
+        kept = {name: ref for name, ref in auto_map.items() if not str(ref).startswith("modeling_energy_gated.")}
+        if kept:
+            config.auto_map = kept
+        else:
+            del config.auto_map
 
 
 # ----------------------------------------------------------------------------------------------------------------
