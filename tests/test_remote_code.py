@@ -323,6 +323,10 @@ def test_retrofitted_checkpoints_load_without_the_plugin(tmp_path):
             EnergyGateConfig(alpha_init=1.0), "EnergyGatedGPT2ForSequenceClassification",
         ),
         "llama, some heads": (_tiny_llama, EnergyGateConfig(alpha_init=1.5, heads=[1]), "EnergyGatedLlamaForCausalLM"),
+        "qwen2": (lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64,
+        )), EnergyGateConfig(energy_kind="conv", scales=[3, 5], alpha_init=1.0), "EnergyGatedQwen2ForCausalLM"),
     }
     expected, jobs = {}, []
     for seed, (name, (build, gate_config, class_name)) in enumerate(cases.items()):
