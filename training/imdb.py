@@ -37,10 +37,10 @@ PRESETS = {
         variants=("attention", "threshold", "hard", "3op"),
     ),
     "cpu": LMPreset(
-        description="CPU scale: 4 layers, d=128, 4 heads, first 128 BPE tokens, batch 16, 200 steps, lr 1e-3",
-        num_hidden_layers=4, num_attention_heads=4, hidden_size=128, context_length=128, batch_size=16,
-        max_steps=200, warmup_steps=20, learning_rate=1e-3, weight_decay=0.01, dropout=0.1, eval_steps=50,
-        eval_batches=4, save_steps=100, logging_steps=10, variants=("attention", "threshold", "hard", "3op"),
+        description="CPU scale: 4 layers, d=64, 4 heads, first 128 BPE tokens (4096 ids), batch 16, 80 steps, lr 2e-3",
+        num_hidden_layers=4, num_attention_heads=4, hidden_size=64, context_length=128, batch_size=16,
+        max_steps=80, warmup_steps=8, learning_rate=2e-3, weight_decay=0.01, dropout=0.0, eval_steps=20,
+        eval_batches=2, save_steps=1000, logging_steps=10, variants=("attention", "threshold", "hard", "3op"),
     ),
     "smoke": LMPreset(
         description="smoke test: 3 layers, d=32, 2 heads, 32 tokens, batch 4, 6 steps",
@@ -57,7 +57,7 @@ def add_arguments(parser):
     group.add_argument("--dataset_config", help="its configuration")
     group.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe")
     group.add_argument("--tokenizer_name_or_path", help="a local tokenizer folder instead")
-    group.add_argument("--bpe_vocab_size", type=int, help="ids of the trained BPE (default 8192; smoke 512)")
+    group.add_argument("--bpe_vocab_size", type=int, help="ids of the trained BPE (default 8192; cpu 4096; smoke 512)")
     group.add_argument("--validation_examples", type=int, default=1000,
                        help="training reviews held out for the validation curve (default 1000)")
     group.add_argument("--max_train_examples", type=int, help="a fixed random subset of the training reviews")
@@ -123,7 +123,7 @@ def load_data(args, preset, tokenizer_dir):
     elif args.tokenizer == "bytes":
         tokenizer, description = byte_tokenizer(tokenizer_dir), "UTF-8 bytes (Long Range Arena text task)"
     else:
-        vocab = args.bpe_vocab_size or (512 if args.smoke else 8192)
+        vocab = args.bpe_vocab_size or (512 if args.smoke else 4096 if args.preset == "cpu" else 8192)
         tokenizer = train_bpe_tokenizer([t for t, _ in train], vocab, tokenizer_dir)
         description = f"byte-level BPE, {len(tokenizer)} ids, trained on the training reviews"
 

@@ -34,10 +34,10 @@ PRESETS = {
         variants=("attention", "threshold", "hard", "3op"),
     ),
     "cpu": LMPreset(
-        description="CPU scale: 4 layers, d=128, 4 heads, 128 tokens, batch 32, 250 steps, lr 1e-3",
-        num_hidden_layers=4, num_attention_heads=4, hidden_size=128, context_length=128, batch_size=32,
-        max_steps=250, warmup_steps=25, learning_rate=1e-3, weight_decay=0.01, dropout=0.0, eval_steps=50,
-        eval_batches=4, save_steps=125, logging_steps=10, variants=("attention", "threshold", "hard", "3op"),
+        description="CPU scale: 4 layers, d=64, 4 heads, 128 tokens, batch 32, 150 steps, lr 2e-3",
+        num_hidden_layers=4, num_attention_heads=4, hidden_size=64, context_length=128, batch_size=32,
+        max_steps=150, warmup_steps=15, learning_rate=2e-3, weight_decay=0.01, dropout=0.0, eval_steps=30,
+        eval_batches=2, save_steps=1000, logging_steps=10, variants=("attention", "threshold", "hard", "3op"),
     ),
     "smoke": LMPreset(
         description="smoke test: 3 layers, d=32, 2 heads, 64 tokens, batch 8, 6 steps",

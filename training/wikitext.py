@@ -51,10 +51,10 @@ PRESETS = {
     ),
     # The CPU reproduction (results/chiar/): the authors' width and depth, shorter context and far fewer steps.
     "cpu": LMPreset(
-        description="CPU scale: 4 layers, d=256, 4 heads, context 128, batch 8, 150 steps, lr 2e-3, BPE 8192",
-        num_hidden_layers=4, num_attention_heads=4, hidden_size=256, context_length=128, batch_size=8,
-        max_steps=150, warmup_steps=15, learning_rate=2e-3, weight_decay=0.01, dropout=0.0, eval_steps=25,
-        eval_batches=4, final_eval_batches=40, save_steps=75, logging_steps=10,
+        description="CPU scale: 4 layers, d=128, 4 heads, context 128, batch 8, 60 steps, lr 2e-3, BPE 4096",
+        num_hidden_layers=4, num_attention_heads=4, hidden_size=128, context_length=128, batch_size=8,
+        max_steps=60, warmup_steps=6, learning_rate=2e-3, weight_decay=0.01, dropout=0.0, eval_steps=15,
+        eval_batches=2, final_eval_batches=10, save_steps=1000, logging_steps=10,
         variants=("attention", "threshold", "hard", "3op"),
     ),
     "smoke": LMPreset(
@@ -77,7 +77,8 @@ def add_arguments(parser):
     group.add_argument("--dataset_config", help="its configuration (e.g. wikitext-103-v1, wikitext-2-raw-v1)")
     group.add_argument("--text_column", default="text")
     group.add_argument("--tokenizer_name_or_path", help="a local tokenizer folder instead of training a BPE")
-    group.add_argument("--bpe_vocab_size", type=int, help="ids of the trained BPE (default 8192; smoke 512)")
+    group.add_argument("--bpe_vocab_size", type=int,
+                       help="ids of the trained BPE (default: authors preset 50257 as GPT-2, cpu 4096, smoke 512)")
     group.add_argument("--evaluate_model", metavar="MODEL_DIR",
                        help="no training: evaluate this saved model (with its tokenizer) on the splits found")
 
@@ -144,7 +145,7 @@ def build_tokenizer(args, texts: dict, tokenizer_dir: str, smoke: bool):
 
     if args.tokenizer_name_or_path:
         return load_tokenizer(args.tokenizer_name_or_path), f"local tokenizer {args.tokenizer_name_or_path}"
-    vocab = args.bpe_vocab_size or (512 if smoke else 8192)
+    vocab = args.bpe_vocab_size or {"smoke": 512, "authors": 50257}.get("smoke" if smoke else args.preset, 4096)
     tokenizer = train_bpe_tokenizer(texts["train"].splitlines(keepends=True), vocab, tokenizer_dir)
     return tokenizer, f"byte-level BPE, {len(tokenizer)} ids, trained on the {args.corpus} training split"
 

@@ -214,3 +214,46 @@ def test_training_arguments_fields_pass_through_the_command_line():
     with pytest.raises(SystemExit, match="not_a_field"):
         parse_training_overrides(["--not_a_field", "3"])
     assert parse_training_overrides([]) == {}
+
+
+def test_reproduction_plan_and_tables_from_finished_runs(tmp_path, capsys):
+    from training import reproduce_chiar
+
+    assert reproduce_chiar.main(["--dry_run", "--output_dir", str(tmp_path / "runs")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 9 and all(line.startswith("[pending]") for line in lines)
+    assert "training.wikitext" in lines[0] and "threshold@all hard@all 3op@all" in lines[0]
+    assert "--max_test_examples 1000" in lines[-1] and "--no_plots" in lines[1]
+
+    # Tables from fake finished runs: paired deltas, FLOP changes, equal wall-clock column, missing runs listed.
+    def fake(arm, seed, perplexity, seconds, attention):
+        family, _, layout = arm.partition("@")
+        history = [{"step": 10, "train_seconds": seconds / 2, "eval_validation_curve_loss": 7.0},
+                   {"step": 20, "train_seconds": seconds, "eval_validation_curve_loss": 6.0}]
+        return {"arm": arm, "family": family, "layout": layout or "authors", "seed": seed, "train_seconds": seconds,
+                "seconds_per_step": seconds / 20, "parameters": 1000, "test_perplexity_per_word": perplexity,
+                "routing": {"attention_gflops_per_seq": attention, "total_gflops_per_seq": 1.0 + attention,
+                            "attention_fraction_routed_layers": None if arm == "attention" else 0.25},
+                "log_history": history, "data": {"tokens": {"train": 1}}, "hardware": {},
+                "preset": {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "context_length": 128,
+                           "batch_size": 8, "max_steps": 20, "warmup_steps": 2, "lr_scheduler_type": "cosine",
+                           "learning_rate": 2e-3, "weight_decay": 0.01, "dropout": 0.0}}
+
+    runs = tmp_path / "runs" / "wikitext"
+    for arm, seed, ppl, seconds, attention in (("attention", 0, 100.0, 20.0, 0.4), ("attention", 1, 110.0, 22.0, 0.4),
+                                               ("threshold", 0, 120.0, 10.0, 0.1), ("threshold", 1, 125.0, 12.0, 0.1)):
+        folder = runs / reproduce_chiar.run_dir_name(arm, seed)
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps(fake(arm, seed, ppl, seconds, attention)))
+    assert reproduce_chiar.main(["--aggregate_only", "--benchmarks", "wikitext", "--seeds", "0", "1",
+                                 "--wikitext_arms", "attention", "threshold", "hard", "--output_dir",
+                                 str(tmp_path / "runs"), "--results_dir", str(tmp_path / "results")]) == 0
+    table = json.loads((tmp_path / "results" / "wikitext.json").read_text())
+    rows = {row["arm"]: row for row in table["rows"]}
+    assert rows["threshold"]["Δ test_perplexity_per_word vs attention (paired)"] == "+17.5000 ± 3.5355"
+    assert rows["threshold"]["Δ attn FLOPs"] == "-75.0%" and rows["attention"]["test_perplexity_per_word"] == "105.00 ± 7.07"
+    # Equal wall-clock: the threshold arm's curve ends first (11 s mean); the baseline is read there.
+    assert rows["attention"]["equal_time_budget_seconds"] == pytest.approx(11.0)
+    # seed 0: 7.0 at 10 s, 6.0 at 20 s -> 6.9 at 11 s; seed 1: its first point is at 11 s -> 7.0.
+    assert rows["attention"]["curve_at_equal_time_mean"] == pytest.approx(6.95)
+    assert table["missing_runs"] == ["hard-seed0", "hard-seed1"]
