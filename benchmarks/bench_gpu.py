@@ -598,7 +598,7 @@ def bench_chiar(run: Run, budget: Budget, length: int, batch: int, backend: str)
     if backend == "sdpa":  # on a CPU: its flash kernel (the code path; the GPU run is the check)
         for name, model in models.items():
             run.add(**base, measurement="fused SDPA only (flash / memory-efficient)", model=name,
-                    status=fused_sdpa_check(model, ids[:1]))
+                    status=fused_sdpa_check(model, ids))
 
     del models, chiar
     if run.clock.cuda:
@@ -650,7 +650,12 @@ def environment(device: torch.device) -> dict:
         properties = torch.cuda.get_device_properties(device)
         info.update(gpu=properties.name, gpu_memory_gib=round(properties.total_memory / 2**30, 1),
                     compute_capability=f"{properties.major}.{properties.minor}",
-                    multiprocessors=properties.multi_processor_count, cudnn=torch.backends.cudnn.version())
+                    multiprocessors=properties.multi_processor_count, cudnn=torch.backends.cudnn.version(),
+                    matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+                    sdpa_enabled={"flash": torch.backends.cuda.flash_sdp_enabled(),
+                                  "memory_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                                  "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                                  "math": torch.backends.cuda.math_sdp_enabled()})
         try:
             info["driver"] = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -778,10 +783,11 @@ def markdown(run: Run, record: dict) -> str:
 NOTES = [
     "`ratio_vs_baseline`: median over alternating rounds of time(baseline) / time(model); > 1 is faster than the "
     "baseline (`gpt2` for EGA, `all_attention` for CHIAR). `tokens_per_s`: tokens of the call / median time.",
-    "Training: forward + backward + AdamW step (fused AdamW on CUDA), float32 weights under bfloat16 autocast; "
-    "forward and generation: bfloat16 weights, `torch.no_grad`. No dropout in any model.",
-    "`peak_mib`: peak GPU memory allocated during one call above what was allocated before it (activations, "
-    "gradients, temporaries); `state_mib`: parameters plus AdamW state. Peak training memory ratios use their sum.",
+    "Training: forward + backward + AdamW step; on CUDA fused AdamW, float32 weights under bfloat16 autocast; "
+    "forward and generation on CUDA: bfloat16 weights, `torch.no_grad` (`--tiny`: float32 throughout). No dropout.",
+    "`peak_mib` (CUDA only): peak GPU memory allocated during one call above what was allocated before it "
+    "(activations, gradients, temporaries); `state_mib`: parameters plus AdamW state. Peak training memory ratios "
+    "use their sum.",
     "Generation: greedy, a fixed number of new tokens, `cache_implementation` as named for both models "
     "(`disable_compile=True`: the static cache runs eagerly, without generate's automatic `torch.compile`, whose "
     "compile time does not fit the budget); `cache_class` is the cache class each model actually returned; "
