@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_spectral  # noqa: F401
 from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates, load_energy_gates, save_energy_gates
