@@ -775,7 +775,8 @@ def markdown(run: Run, record: dict) -> str:
             *[f"- {name}: {seconds}" + (f" ({graphs[name]} graphs compiled by torch.compile)" if graphs.get(name) else "")
               for name, seconds in record["elapsed_s"].items()], ""]
     out += ["## How to read this", "", *[f"- {note}" for note in record["notes"]], ""]
-    out += ["## Provenance", "", f"- command: `{record['command']}`", f"- date: {record['date']}",
+    out += ["## Provenance", "", f"- command: `{record['command']}`"
+            + (f", run by `{record['invoked_by']}`" if record["invoked_by"] else ""), f"- date: {record['date']}",
             f"- environment: `{json.dumps(env)}`", f"- settings: `{json.dumps(record['settings'])}`", ""]
     return "\n".join(out)
 
@@ -811,6 +812,7 @@ def write_results(run: Run):
         else "GPU benchmark code paths on a CPU (tiny sizes, float32; not a measurement of the models)",
         "complete": run.complete,
         "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+        "invoked_by": args.invoked_by,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "environment": run.environment,
         "settings": {
@@ -886,6 +888,7 @@ def main(argv=None):
                         help="budget needed to start a task on a compiled backend (flex_attention): default 60 s on "
                         "CUDA, never skipped with --tiny")
     parser.add_argument("--tests_log", default=None, help="pytest log whose outcome lines go into the results")
+    parser.add_argument("--invoked_by", default=None, help="the command that ran this one (for the provenance)")
     parser.add_argument("--out", default=os.path.join(ROOT, "results", "benchmarks"))
     parser.add_argument("--name", default=None, help="file name without suffix (default gpu, gpu_tiny with --tiny)")
     args = parser.parse_args(argv)

@@ -17,6 +17,7 @@
 #   GPU_CHECK_CPU=1      run the same steps on a CPU (tests skip what needs CUDA, the benchmark runs with
 #                        --device cpu --tiny): checks the machinery, measures nothing
 #   OUT                  when set, the results and logs are copied there too
+#   HF_SPECTRAL_COMMIT   the commit the tree was copied from, recorded where no git checkout travelled
 #
 # Writes, in GPU_CHECK_RESULTS: gpu.md and gpu.json (gpu_tiny.* on a CPU) with the benchmark and the tests'
 # outcome lines, gpu_tests.log (pytest's output) and gpu_check.log (everything this script printed).
@@ -33,6 +34,8 @@ TESTS_S="${GPU_CHECK_TESTS_S:-150}"
 RESULTS="${GPU_CHECK_RESULTS:-results/benchmarks}"
 TESTS_DIR="${GPU_CHECK_TESTS_DIR:-tests}"
 CPU_MODE="${GPU_CHECK_CPU:-0}"
+INVOKED_BY="bash benchmarks/gpu_check.sh $*"
+if [ "$CPU_MODE" = "1" ]; then INVOKED_BY="GPU_CHECK_CPU=1 $INVOKED_BY"; fi
 BENCH_ARGS=()
 if [ "${1:-}" = "--" ]; then
     shift
@@ -152,7 +155,7 @@ print('transformers', transformers.__version__)
     if [ "$CPU_MODE" = "1" ]; then device_args=(--device cpu --tiny); budget_s=10; fi
     say "benchmark: budget ${budget_s} s, limit ${left_s} s"
     timeout -k 10 "$left_s" "$PY" benchmarks/bench_gpu.py ${device_args[@]+"${device_args[@]}"} --budget_s "$budget_s" \
-        --out "$RESULTS" --name "$NAME" --tests_log "$TESTS_LOG" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
+        --out "$RESULTS" --name "$NAME" --tests_log "$TESTS_LOG" --invoked_by "$INVOKED_BY" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
     local bench_status=$?
     if [ "$bench_status" -ne 0 ]; then
         say "benchmark FAILED or stopped at its limit (exit $bench_status); $RESULTS/$NAME.md keeps what was measured"

@@ -147,6 +147,7 @@ def test_cpu_run_markdown_has_every_section(cpu_run):
                     "## Elapsed time per section", "## How to read this", "## Provenance"):
         assert heading in text, heading
     assert "Partial results" not in text
+    assert "run by `GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh -- --backends sdpa not_a_backend`" in text
     assert "not supported: " in text
     # The CUDA tests' outcome lines from the script's pytest log are in the results.
     assert "GPU check" in text.split("## CUDA tests", 1)[1].split("##", 1)[0]
