@@ -37,9 +37,9 @@ PRESETS = {
         variants=("attention", "threshold", "hard", "3op"),
     ),
     "cpu": LMPreset(
-        description="CPU scale: 4 layers, d=64, 4 heads, first 128 BPE tokens (4096 ids), batch 16, 80 steps, lr 2e-3",
+        description="CPU scale: 4 layers, d=64, 4 heads, first 128 BPE tokens (4096 ids), batch 16, 60 steps, lr 3e-3",
         num_hidden_layers=4, num_attention_heads=4, hidden_size=64, context_length=128, batch_size=16,
-        max_steps=80, warmup_steps=8, learning_rate=2e-3, weight_decay=0.01, dropout=0.0, eval_steps=20,
+        max_steps=60, warmup_steps=6, learning_rate=3e-3, weight_decay=0.01, dropout=0.0, eval_steps=15,
         eval_batches=2, save_steps=1000, logging_steps=10, variants=("attention", "threshold", "hard", "3op"),
     ),
     "smoke": LMPreset(

@@ -34,9 +34,9 @@ PRESETS = {
         variants=("attention", "threshold", "hard", "3op"),
     ),
     "cpu": LMPreset(
-        description="CPU scale: 4 layers, d=64, 4 heads, 128 tokens, batch 32, 150 steps, lr 2e-3",
-        num_hidden_layers=4, num_attention_heads=4, hidden_size=64, context_length=128, batch_size=32,
-        max_steps=150, warmup_steps=15, learning_rate=2e-3, weight_decay=0.01, dropout=0.0, eval_steps=30,
+        description="CPU scale: 4 layers, d=64, 4 heads, 64 tokens, batch 16, 80 steps, lr 3e-3",
+        num_hidden_layers=4, num_attention_heads=4, hidden_size=64, context_length=64, batch_size=16,
+        max_steps=80, warmup_steps=8, learning_rate=3e-3, weight_decay=0.01, dropout=0.0, eval_steps=20,
         eval_batches=2, save_steps=1000, logging_steps=10, variants=("attention", "threshold", "hard", "3op"),
     ),
     "smoke": LMPreset(
@@ -45,7 +45,7 @@ PRESETS = {
         warmup_steps=1, eval_steps=3, eval_batches=2, save_steps=3, logging_steps=2, variants=("attention", "threshold"),
     ),
 }
-GENERATED_SIZES = {"smoke": (400, 64, 128), "cpu": (20_000, 500, 2_000)}  # else the setting's own sizes
+GENERATED_SIZES = {"smoke": (400, 64, 128), "cpu": (10_000, 500, 1_000)}  # else the setting's own sizes
 
 
 def add_arguments(parser):
@@ -56,7 +56,7 @@ def add_arguments(parser):
     group.add_argument("--setting", choices=["original", "lra"], default="original",
                        help="generator settings for the splits not given as files (default: original)")
     group.add_argument("--generate_sizes", type=int, nargs=3, metavar=("TRAIN", "VALIDATION", "TEST"),
-                       help="generated examples per split (default: cpu 20000 500 2000; smoke 400 64 128; "
+                       help="generated examples per split (default: cpu 10000 500 1000; smoke 400 64 128; "
                             "else the setting's: original 90000 1000 10000, lra 96000 2000 2000)")
     group.add_argument("--data_seed", type=int, default=0, help="seed of the generator (default 0)")
     group.add_argument("--keep_brackets", action="store_true", help="keep the ( ) bracketing tokens in the input")

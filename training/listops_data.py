@@ -234,13 +234,14 @@ def write_tsv(path: str, examples: list, header: bool):
     """Original format (``header=False``): ``LABEL<TAB>EXPRESSION`` per line. LRA format: a ``Source<TAB>Target``
     header, then ``EXPRESSION<TAB>LABEL``. Written through a temporary file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+    tmp = f"{path}.{os.getpid()}.tmp"  # several processes may write the same generated file
+    with open(tmp, "w", encoding="utf-8") as handle:
         if header:
             handle.write("Source\tTarget\n")
             handle.writelines(f"{expression}\t{label}\n" for label, expression in examples)
         else:
             handle.writelines(f"{label}\t{expression}\n" for label, expression in examples)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def read_tsv(path: str) -> list:

@@ -55,8 +55,9 @@ def run_dir_name(arm: str, seed: int) -> str:
 
 
 def planned(args) -> list:
-    """(benchmark, seed) recipe invocations, WikiText-2 first (the headline), then ListOps, then IMDB."""
-    return [(benchmark, seed) for benchmark in args.benchmarks for seed in args.seeds]
+    """(benchmark, seed) recipe invocations, seed by seed, WikiText-2 (the headline) first in each. With --jobs 2
+    the first two at once are different benchmarks, so no two processes prepare the same data at the same time."""
+    return [(benchmark, seed) for seed in args.seeds for benchmark in args.benchmarks]
 
 
 def recipe_command(args, benchmark: str, seed: int) -> list:

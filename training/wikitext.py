@@ -51,9 +51,9 @@ PRESETS = {
     ),
     # The CPU reproduction (results/chiar/): the authors' width and depth, shorter context and far fewer steps.
     "cpu": LMPreset(
-        description="CPU scale: 4 layers, d=128, 4 heads, context 128, batch 8, 60 steps, lr 2e-3, BPE 4096",
-        num_hidden_layers=4, num_attention_heads=4, hidden_size=128, context_length=128, batch_size=8,
-        max_steps=60, warmup_steps=6, learning_rate=2e-3, weight_decay=0.01, dropout=0.0, eval_steps=15,
+        description="CPU scale: 4 layers, d=64, 4 heads, context 128, batch 8, 60 steps, lr 3e-3, BPE 2048",
+        num_hidden_layers=4, num_attention_heads=4, hidden_size=64, context_length=128, batch_size=8,
+        max_steps=60, warmup_steps=6, learning_rate=3e-3, weight_decay=0.01, dropout=0.0, eval_steps=15,
         eval_batches=2, final_eval_batches=10, save_steps=1000, logging_steps=10,
         variants=("attention", "threshold", "hard", "3op"),
     ),
@@ -78,7 +78,7 @@ def add_arguments(parser):
     group.add_argument("--text_column", default="text")
     group.add_argument("--tokenizer_name_or_path", help="a local tokenizer folder instead of training a BPE")
     group.add_argument("--bpe_vocab_size", type=int,
-                       help="ids of the trained BPE (default: authors preset 50257 as GPT-2, cpu 4096, smoke 512)")
+                       help="ids of the trained BPE (default: authors preset 50257 as GPT-2, cpu 2048, smoke 512)")
     group.add_argument("--evaluate_model", metavar="MODEL_DIR",
                        help="no training: evaluate this saved model (with its tokenizer) on the splits found")
 
@@ -145,7 +145,7 @@ def build_tokenizer(args, texts: dict, tokenizer_dir: str, smoke: bool):
 
     if args.tokenizer_name_or_path:
         return load_tokenizer(args.tokenizer_name_or_path), f"local tokenizer {args.tokenizer_name_or_path}"
-    vocab = args.bpe_vocab_size or {"smoke": 512, "authors": 50257}.get("smoke" if smoke else args.preset, 4096)
+    vocab = args.bpe_vocab_size or {"smoke": 512, "authors": 50257}.get("smoke" if smoke else args.preset, 2048 if args.preset == "cpu" else 8192)
     tokenizer = train_bpe_tokenizer(texts["train"].splitlines(keepends=True), vocab, tokenizer_dir)
     return tokenizer, f"byte-level BPE, {len(tokenizer)} ids, trained on the {args.corpus} training split"
 

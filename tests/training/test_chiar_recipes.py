@@ -223,7 +223,8 @@ def test_reproduction_plan_and_tables_from_finished_runs(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 9 and all(line.startswith("[pending]") for line in lines)
     assert "training.wikitext" in lines[0] and "threshold@all hard@all 3op@all" in lines[0]
-    assert "--max_test_examples 1000" in lines[-1] and "--no_plots" in lines[1]
+    assert "training.listops" in lines[1] and "--no_plots" not in lines[1] and "--no_plots" in lines[3]
+    assert "training.imdb" in lines[-1] and "--max_test_examples 1000" in lines[-1]
 
     # Tables from fake finished runs: paired deltas, FLOP changes, equal wall-clock column, missing runs listed.
     def fake(arm, seed, perplexity, seconds, attention):
