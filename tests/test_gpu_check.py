@@ -46,13 +46,13 @@ def test_skipped():
     "test_other.py": """
 import pytest
 
-@pytest.mark.cuda
+@pytest.mark.{cuda_marker}
 def test_marked_cuda():
     pass
 
 def test_not_marked():
     raise AssertionError("a test without the cuda marker must not run")
-""",
+""".format(cuda_marker="cuda"),  # formatted: this file itself must not look like one with marked CUDA tests
     "test_unrelated.py": "def test_never_collected():\n    raise AssertionError('not a CUDA test')\n",
 }
 
