@@ -393,7 +393,7 @@ def test_refuses_what_it_cannot_save(tmp_path):
         save_model_code(object(), tmp_path / "empty")
     stock = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2))
     stock.save_pretrained(tmp_path / "stock")
-    with pytest.raises(RemoteCodeError, match="GPT2Config is a transformers class"):
+    with pytest.raises(RemoteCodeError, match="GPT2LMHeadModel is a transformers class"):
         save_model_code(stock, tmp_path / "stock")
     assert not list((tmp_path / "stock").glob("*.py"))
 

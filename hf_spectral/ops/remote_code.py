@@ -18,6 +18,7 @@ register its classes that way, their ``save_pretrained`` calls `save_model_code`
 """
 
 import ast
+import importlib
 import inspect
 import json
 import os
@@ -84,6 +85,8 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
             raise TypeError(
                 f"save_model_code expects a model, a config or a tokenizer, got {type(model_or_config).__name__}"
             )
+        for cls in dict.fromkeys((type(target), type(config))):
+            _source_file(cls)  # refuses transformers' own classes and classes defined outside a file, first
         model_classes = _model_classes(config, None if target is config else type(target))
         classes = [type(config), *model_classes.values()]
         json_file = save_directory / CONFIG_FILE
@@ -227,7 +230,11 @@ def _model_classes(config, model_class) -> dict:
 def _same_class(first, second) -> bool:
     # By name, as transformers' Auto classes compare them: remote code can hold two class objects for one config
     # class (transformers may execute a module file again when another Auto class loads it).
-    return isinstance(first, type) and first.__name__ == second.__name__ and _module_stem(first) == _module_stem(second)
+    return (
+        isinstance(first, type)
+        and first.__name__ == second.__name__
+        and first.__module__.rpartition(".")[2] == second.__module__.rpartition(".")[2]
+    )
 
 
 def _sibling_modeling_module(config_class):
@@ -239,8 +246,6 @@ def _sibling_modeling_module(config_class):
     config_file = Path(sys.modules[module_name].__file__)
     if not (config_file.parent / f"{modeling_name.rpartition('.')[2]}.py").is_file():
         return None
-    import importlib
-
     return importlib.import_module(modeling_name)
 
 
