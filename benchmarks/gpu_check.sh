@@ -139,9 +139,14 @@ print('transformers', transformers.__version__)
             # pytest's 5 is "nothing collected": no test in those files carries the marker after all
             if [ "$marked_status" -ne 0 ] && [ "$marked_status" -ne 5 ]; then status=$marked_status; fi
         fi
-        case "$status" in
-            0) say "CUDA tests passed" | tee -a "$TESTS_LOG" ;;
-            124|137) say "CUDA tests STOPPED at their ${TESTS_S} s limit" | tee -a "$TESTS_LOG" ;;
+        # A run in which every test skipped passed nothing: on a GPU that is a failure of the check.
+        local all_skipped=0
+        if [ "$status" -eq 0 ] && ! grep -qE '^=+ .*[0-9]+ passed' "$TESTS_LOG"; then all_skipped=1; fi
+        case "$status/$all_skipped/$CPU_MODE" in
+            0/1/1) say "CUDA tests: every one skipped, as on any CPU" | tee -a "$TESTS_LOG" ;;
+            0/1/*) status=1; say "CUDA tests FAILED: not one ran on this GPU, every one was skipped" | tee -a "$TESTS_LOG" ;;
+            0/*) say "CUDA tests passed" | tee -a "$TESTS_LOG" ;;
+            124/*|137/*) say "CUDA tests STOPPED at their ${TESTS_S} s limit" | tee -a "$TESTS_LOG" ;;
             *) say "CUDA tests FAILED (pytest exit $status)" | tee -a "$TESTS_LOG" ;;
         esac
     fi
