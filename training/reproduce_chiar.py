@@ -61,7 +61,7 @@ def planned(args) -> list:
 
 
 def recipe_command(args, benchmark: str, seed: int) -> list:
-    command = [sys.executable, "-m", f"training.{benchmark}", "--preset", args.preset, "--arms", *arms_of(args, benchmark),
+    command = [sys.executable, "-m", f"{__package__}.{benchmark}", "--preset", args.preset, "--arms", *arms_of(args, benchmark),
                "--seeds", str(seed), "--output_dir", os.path.join(args.output_dir, benchmark)]
     if args.threads:
         command += ["--threads", str(args.threads)]
