@@ -510,7 +510,7 @@ def write_comparison(args, preset, pretrained, summaries, unknown_rate):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m training.retrofit_gpt2", description=__doc__,
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}.retrofit_gpt2", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                         help="; ".join(f"{name}: {p.description}" for name, p in PRESETS.items()))

@@ -130,7 +130,8 @@ def add_training_arguments(parser, presets: dict, default_preset: str):
 
 def build_parser(recipe: str, description: str, corpus, presets: dict, default_preset: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=f"python -m training.{recipe}", description=description,
+        # training.<recipe> in a checkout, hf_spectral.recipes.<recipe> installed
+        prog=f"python -m {__package__.rpartition('.')[0]}.{recipe}", description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--variants", nargs="+", metavar="VARIANT[:NORM]",
