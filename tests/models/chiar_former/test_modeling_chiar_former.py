@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 import hf_spectral.ops
 from hf_spectral import ChiarConfig, ChiarForCausalLM, ChiarForSequenceClassification, ChiarModel
-from hf_spectral.models.chiar_former import calibrate_thresholds, count_flops
+from hf_spectral.models.chiar_former import calibrate_thresholds, count_flops, modeling_chiar_former
 from hf_spectral.ops.routing import threshold_routes
 
 from ...helpers import assert_causal, load_without_plugin, perturb_after
@@ -441,3 +441,93 @@ def test_a_loss_builds_no_cache_unless_asked():
     assert model(ids, labels=ids).cache is None
     assert model(ids, labels=ids, use_cache=True).cache.get_seq_length() == 12
     assert model(ids).cache.get_seq_length() == 12
+
+
+# --- attention backends ------------------------------------------------------------------------------------------
+
+
+def _with_backend(model, implementation, model_class=ChiarForCausalLM):
+    """The same weights and thresholds on another attention backend."""
+    twin = model_class(ChiarConfig(**{**model.config.to_dict(), "attn_implementation": implementation})).eval()
+    twin.load_state_dict(model.state_dict())
+    assert twin.config._attn_implementation == implementation
+    return twin
+
+
+@pytest.mark.parametrize("layer_operators", [None, ["attention", "routed"]], ids=["authors-layout", "dense-then-routed"])
+def test_eager_sdpa_and_flex_attention_agree(layer_operators):
+    """Padded batch, routed and dense attention layers: the three backends of transformers' attention interface give
+    the same logits (different kernels: compared with a tolerance). flex_attention runs without gradients: on CPU
+    torch implements only its forward."""
+    ids = random_ids(3, 20, seed=30)
+    padded, mask = _left_padded(ids, [0, 6, 3])
+    overrides = dict(routed_operators=["dct", "rbf", "attention"])
+    if layer_operators is not None:
+        overrides.update(layer_operators=layer_operators, num_hidden_layers=2)
+    eager = build(ChiarForCausalLM, tiny_config(attn_implementation="eager", **overrides), calibrate_on=ids)
+    valid = mask.bool()
+    with torch.no_grad():
+        reference = eager(padded, attention_mask=mask)
+        for implementation in ("sdpa", "flex_attention"):
+            out = _with_backend(eager, implementation)(padded, attention_mask=mask)
+            for a, b in zip(out.routing_decisions, reference.routing_decisions):
+                assert torch.equal(a[valid], b[valid])
+            torch.testing.assert_close(out.logits[valid], reference.logits[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_output_attentions_under_sdpa_warns_and_falls_back_to_eager(caplog):
+    ids = random_ids(2, 12, seed=31)
+    config = tiny_config(layer_operators=["attention", "routed"], num_hidden_layers=2)
+    sdpa = build(ChiarForCausalLM, config, calibrate_on=ids)
+    assert sdpa.config._attn_implementation == "sdpa"
+    eager = _with_backend(sdpa, "eager")
+    modeling_chiar_former.logger.warning_once.cache_clear()  # warned once per process: make this call the first
+    with caplog.at_level("WARNING", logger=modeling_chiar_former.logger.name):
+        out = sdpa(ids, output_attentions=True)
+    assert "output_attentions=True" in caplog.text and "eager" in caplog.text
+    expected = eager(ids, output_attentions=True)
+    assert len(out.attentions) >= 1 and out.attentions[0].shape == (2, 4, 12, 12)
+    torch.testing.assert_close(out.attentions[0], expected.attentions[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out.logits, sdpa(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+# --- transformers' conventions and input checks -------------------------------------------------------------------
+
+
+def test_past_key_values_is_the_cache_as_in_transformers_models():
+    """`model(ids, past_key_values=cache, use_cache=True)` (transformers' tutorials) continues from the cache: decoding
+    token by token through it gives the logits of the full forward."""
+    ids = random_ids(2, 12, seed=32)
+    model = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "rbf", "attention"]), calibrate_on=ids)
+    full = model(ids).logits
+    out = model(ids[:, :5], use_cache=True)
+    logits = [out.logits]
+    for t in range(5, 12):
+        out = model(ids[:, t : t + 1], past_key_values=out.cache, use_cache=True)
+        logits.append(out.logits)
+    assert out.cache.get_seq_length() == 12
+    torch.testing.assert_close(torch.cat(logits, 1), full, atol=1e-5, rtol=1e-5)
+    # The base model honours it too.
+    base = model.model(ids[:, :5], use_cache=True)
+    step = model.model(ids[:, 5:6], past_key_values=base.cache, use_cache=True)
+    torch.testing.assert_close(step.last_hidden_state, model.model(ids[:, :6]).last_hidden_state[:, 5:], atol=1e-5,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("make_inputs, message", [
+    (lambda ids: dict(input_ids=ids[:, :0]), r"input_ids is empty \(shape \(2, 0\)\)"),
+    (lambda ids: dict(input_ids=ids[:0]), r"input_ids is empty \(shape \(0, 6\)\)"),
+    (lambda ids: dict(input_ids=ids[0]), r"input_ids must have shape \(batch, positions\).*\(6,\)"),
+    (lambda ids: dict(input_ids=ids, attention_mask=torch.tensor([0, 1, 1, 1, 1, 1])),
+     r"attention_mask must have shape .*\(2, 6\).*got \(6,\)"),
+    (lambda ids: dict(input_ids=ids, attention_mask=torch.ones(3, 6, dtype=torch.long)),
+     r"attention_mask must have shape .*\(2, 6\).*got \(3, 6\)"),
+    (lambda ids: dict(input_ids=ids, position_ids=torch.tensor([[-1, 0, 1, 2, 3, 4]])),
+     r"position_ids must be >= 0, got a minimum of -1 in position_ids of shape \(1, 6\)"),
+    (lambda ids: dict(input_ids=ids, position_ids=torch.arange(5)[None]),
+     r"position_ids must have shape .*\(2, 6\).*got \(1, 5\)"),
+], ids=["no-positions", "no-rows", "1-D-ids", "1-D-mask", "mask-of-3-rows", "negative-positions", "short-positions"])
+def test_bad_inputs_are_refused_naming_the_argument_and_shapes(make_inputs, message):
+    model = build(ChiarForCausalLM, tiny_config())
+    with pytest.raises(ValueError, match=message):
+        model(**make_inputs(random_ids(2, 6, seed=33)))
