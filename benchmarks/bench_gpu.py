@@ -112,10 +112,6 @@ class Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
     def time_call(self, fn) -> float:
         if not self.cuda:
             start = time.perf_counter()
@@ -617,7 +613,7 @@ def plan(args) -> list[tuple]:
             if backend == "sdpa":
                 for setting in generation_settings(args.tiny):
                     for cache in ("dynamic", "static"):
-                        weights[f"ega/{size['label']}/{backend}/generate/{setting['batch']}/{cache}"] = 1.5
+                        weights[f"ega/{size['label']}/{backend}/generate/{setting['batch']}/{cache}"] = 1.0
             ega.append((("ega", size, backend), weights))
         chiar = []
         for length, batch in chiar_settings(args.tiny, args)["lengths"]:
