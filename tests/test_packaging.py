@@ -79,10 +79,10 @@ def test_wheel_holds_the_recipes_under_the_package_and_no_top_level_training(ins
                      "hf_spectral/recipes/metrics/language_model_loss/language_model_loss.py",
                      "hf_spectral/recipes/metrics/generalization_gap/generalization_gap.py"):
         assert required in names, required
-    # Every module and template of the source tree is in the wheel.
+    # Every file of the source tree (modules, templates, metric scripts, data) is in the wheel.
     for folder, prefix in (("hf_spectral", "hf_spectral"), ("training", "hf_spectral/recipes")):
         for path in (ROOT / folder).rglob("*"):
-            if path.suffix in (".py", ".md") and "__pycache__" not in path.parts:
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
                 assert f"{prefix}/{path.relative_to(ROOT / folder).as_posix()}" in names, path
     metadata = zipfile.ZipFile(wheel).read(f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info/METADATA")
     requirements = [line for line in metadata.decode().splitlines() if line.startswith("Requires-Dist: torch")]
