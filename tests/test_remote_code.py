@@ -82,7 +82,8 @@ _LOADER = textwrap.dedent(
             with torch.no_grad():
                 result["resaved_output"] = getattr(again(**inputs), job["output"])
         results[job["name"]] = result
-    leaked = [name for name, module in sys.modules.items() if name.split(".")[0] == "hf_spectral" and module is not None]
+    leaked = [name for name, module in sys.modules.items()
+              if name.split(".")[0] == "hf_spectral" and module is not None]
     assert not leaked, f"hf_spectral was imported: {leaked}"
     torch.save(results, out_file)
     """
@@ -172,7 +173,7 @@ def test_every_class_and_the_tokenizer_load_without_the_plugin(tmp_path, family)
         tokenizer.save_pretrained(folder)
         auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
         assert auto_map[auto].endswith(f".{model_class.__name__}")
-        assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification"}
+        assert set(auto_map) == {"AutoConfig", *remote_code.AUTO_MODEL_CLASSES}
         with torch.no_grad():
             expected[auto] = getattr(model(**inputs), output)
         job = {"name": auto, "auto": auto, "path": str(folder), "inputs": inputs_file(folder, inputs, prompt),
@@ -199,7 +200,8 @@ def test_every_class_and_the_tokenizer_load_without_the_plugin(tmp_path, family)
     for auto, model_class in (("AutoModel", base_class), ("AutoModelForCausalLM", causal_class),
                               ("AutoModelForSequenceClassification", classifier_class)):
         loaded = results[auto]
-        assert loaded["class"].startswith("transformers_modules.") and loaded["class"].endswith(f".{model_class.__name__}")
+        assert loaded["class"].startswith("transformers_modules.")
+        assert loaded["class"].endswith(f".{model_class.__name__}")
         torch.testing.assert_close(loaded["output"], expected[auto], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(
         results["bare model of the causal LM"]["output"], expected["bare model of the causal LM"], atol=ATOL, rtol=RTOL
@@ -347,7 +349,8 @@ def test_retrofitted_checkpoints_load_without_the_plugin(tmp_path):
             expected[name] = model(**inputs).logits
         if causal:
             expected[name + " generated"] = generate(model, prompt)
-        jobs.append({"name": name, "path": str(folder), "inputs": inputs_file(folder, inputs, prompt), "output": "logits",
+        jobs.append({"name": name, "path": str(folder), "inputs": inputs_file(folder, inputs, prompt),
+                     "output": "logits",
                      "auto": "AutoModelForCausalLM" if causal else "AutoModelForSequenceClassification",
                      "generate": causal, "resave": str(tmp_path / "resaved") if name == "gpt2" else None})
         if name == "gpt2":
@@ -404,9 +407,10 @@ def test_an_import_that_cannot_be_flattened_is_named(tmp_path):
     (tmp_path / "pkg" / "ops").mkdir()
     (tmp_path / "pkg" / "ops" / "helper.py").write_text("X = 1\n")
     good = package / "good.py"
-    good.write_text('"""from ...nowhere import nothing (a docstring, not an import)"""\n\nfrom ...ops.helper import X\n')
+    docstring = '"""from ...nowhere import nothing (a docstring, not an import)"""\n\n'
+    good.write_text(docstring + "from ...ops.helper import X\n")
     text, imported = flatten_imports(good)
-    assert text == '"""from ...nowhere import nothing (a docstring, not an import)"""\n\nfrom .helper import X\n'
+    assert text == docstring + "from .helper import X\n"
     assert imported == [(tmp_path / "pkg" / "ops" / "helper.py").resolve()]
     for body, message in [
         ("from ...ops.missing import X\n", "does not exist"),
@@ -490,7 +494,8 @@ def test_push_to_hub_uploads_the_code_with_the_weights(tmp_path, monkeypatch):
     assert len(uploads) == 1  # the upload happens once, after the code is written
     pushed = uploads[0]
     assert pushed["repo_id"] == "someone/ega" and pushed["commit_message"] == "first"
-    assert {"modeling_ega_gpt.py", "configuration_ega_gpt.py", "remote_code.py", "model.safetensors"} <= set(pushed["files"])
+    expected_files = {"modeling_ega_gpt.py", "configuration_ega_gpt.py", "remote_code.py", "model.safetensors"}
+    assert expected_files <= set(pushed["files"])
     assert pushed["auto_map"]["AutoModel"] == "modeling_ega_gpt.EGAModel"
     assert (tmp_path / "local" / "modeling_ega_gpt.py").is_file()  # the local folder is complete as well
     # A process other than the main one writes no code (transformers writes nothing either).

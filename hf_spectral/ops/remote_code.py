@@ -69,7 +69,9 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
     """
     save_directory = Path(save_directory)
     if not save_directory.is_dir():
-        raise FileNotFoundError(f"save_directory {str(save_directory)!r} is not a directory: call save_pretrained first")
+        raise FileNotFoundError(
+            f"save_directory {str(save_directory)!r} is not a directory: call save_pretrained first"
+        )
     target = getattr(model_or_config, "_orig_mod", model_or_config)  # torch.compile wrapper -> the model
 
     if _is_tokenizer(target):
@@ -216,7 +218,9 @@ def _model_classes(config, model_class) -> dict:
             candidates = [model_class]
         if len(candidates) > 1:
             names = ", ".join(sorted(cls.__name__ for cls in candidates))
-            raise RemoteCodeError(f"{module.__name__} defines several {auto_name} classes for {type(config).__name__}: {names}")
+            raise RemoteCodeError(
+                f"{module.__name__} defines several {auto_name} classes for {type(config).__name__}: {names}"
+            )
         if candidates:
             classes[auto_name] = candidates[0]
     if model_class is not None and not classes:

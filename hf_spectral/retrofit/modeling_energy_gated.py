@@ -225,12 +225,10 @@ def _gated_model(stock_class: type, config_class: type) -> type:
     )
 
 
-# One config class and three model classes per family, defined here by name, so that ``auto_map`` entries such as
-# "modeling_energy_gated.EnergyGatedGPT2LMHeadModel" find them:
-#   EnergyGatedGPT2Config,    EnergyGatedGPT2Model,    EnergyGatedGPT2LMHeadModel,    EnergyGatedGPT2ForSequenceClassification
-#   EnergyGatedLlamaConfig,   EnergyGatedLlamaModel,   EnergyGatedLlamaForCausalLM,   EnergyGatedLlamaForSequenceClassification
-#   EnergyGatedMistralConfig, EnergyGatedMistralModel, EnergyGatedMistralForCausalLM, EnergyGatedMistralForSequenceClassification
-#   EnergyGatedQwen2Config,   EnergyGatedQwen2Model,   EnergyGatedQwen2ForCausalLM,   EnergyGatedQwen2ForSequenceClassification
+# One config class and three model classes per family, defined here by name ("EnergyGated" + the stock name), so
+# that ``auto_map`` entries such as "modeling_energy_gated.EnergyGatedGPT2LMHeadModel" find them: EnergyGatedGPT2Config,
+# EnergyGatedGPT2Model, EnergyGatedGPT2LMHeadModel, EnergyGatedGPT2ForSequenceClassification, and likewise
+# EnergyGatedLlamaConfig, EnergyGatedLlamaModel, EnergyGatedLlamaForCausalLM, ... for Llama, Mistral and Qwen2.
 _GATED_CONFIGS: dict[type, type] = {}
 _GATED_MODELS: dict[type, type] = {}
 for _family_entry in FAMILIES:
