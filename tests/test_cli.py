@@ -118,6 +118,22 @@ def test_retrofit_bad_options_are_one_line_errors_with_status_2(tiny_gpt2, tmp_p
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".retrofit-")]  # no staging folder left
 
 
+def test_retrofit_refuses_corrupt_weights_and_unsupported_models_in_one_line(tiny_gpt2, tmp_path, capsys):
+    from transformers import BertConfig, BertModel
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_bytes((tiny_gpt2 / "config.json").read_bytes())
+    (corrupt / "model.safetensors").write_bytes((tiny_gpt2 / "model.safetensors").read_bytes()[:1000])
+    bert = tmp_path / "bert"
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)).save_pretrained(bert)
+    for source, message in ((corrupt, f"cannot load the weights of {corrupt}: "), (bert, "cannot be added to BertModel")):
+        assert retrofit_main([str(source), str(tmp_path / "dst")]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and message in errors[0], errors
+        assert not (tmp_path / "dst").exists()
+
+
 def test_retrofit_layer_out_of_range_through_the_console_command(tiny_gpt2, tmp_path):
     result = subprocess.run([sys.executable, "-m", "hf_spectral.cli", "retrofit", str(tiny_gpt2), str(tmp_path / "dst"),
                              "--layers", "5"], capture_output=True, text=True, timeout=300)

@@ -78,8 +78,8 @@ def main(argv=None) -> int:
         return _fail(str(error))
     try:
         model = model_class.from_pretrained(args.src)
-    except (OSError, ValueError, RuntimeError) as error:
-        return _fail(f"cannot load the weights of {args.src}: {error}")
+    except Exception as error:  # noqa: BLE001  (corrupt weights raise safetensors', pickle's, torch's own errors)
+        return _fail(f"cannot load the weights of {args.src}: {type(error).__name__}: {error}")
     try:
         # Checks the layer and head indices against this model; needs PyWavelets for db2/db4 energies.
         model = add_energy_gates(model, gate_config)
