@@ -525,3 +525,45 @@ def test_a_model_whose_gates_were_removed_saves_as_the_stock_model(tmp_path):
     stock.save_pretrained(tmp_path / "stock")
     assert not list((tmp_path / "stock").glob("*.py"))
     assert "auto_map" not in json.loads((tmp_path / "stock" / "config.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model cards: the usage blocks run as written where hf_spectral is not installed
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _usage_block(template: str, **values) -> str:
+    import jinja2
+
+    block = re.search(r"```python\n(.*?)```", template, flags=re.S)
+    assert block, "the card template has no python block"
+    return jinja2.Template(block.group(1)).render(**values)
+
+
+def test_model_card_usage_blocks_run_without_the_plugin(tmp_path):
+    from training.common.chiar_experiment import CARD_TEMPLATE
+    from training.common.model_card import template_path
+
+    tokenizer = tokenizer_in(tmp_path / "tokenizer")
+    EGAForCausalLM(EGAConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             max_position_embeddings=256)).save_pretrained(tmp_path / "ega")
+    ChiarForCausalLM(FAMILIES["chiar_former"][0](len(tokenizer), tokenizer.pad_token_id)).save_pretrained(
+        tmp_path / "chiar"
+    )
+    for folder in ("ega", "chiar"):
+        tokenizer.save_pretrained(tmp_path / folder)
+    blocks = {
+        "ega": _usage_block(Path(template_path("ega_gpt.md")).read_text(), repo_id=tmp_path / "ega", prompt="to be"),
+        "chiar": _usage_block(CARD_TEMPLATE, repo_id=tmp_path / "chiar", auto_class="ForCausalLM")
+        + "\nprint(type(model).__name__, type(tokenizer).__name__)\n",
+    }
+    assert all("trust_remote_code=True" in block and "import hf_spectral\n" not in block for block in blocks.values())
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    for name, block in blocks.items():
+        script = 'import sys\nsys.modules["hf_spectral"] = None\n' + block
+        result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, f"{name}:\n{block}\n{result.stderr[-3000:]}"
+        assert result.stdout.strip(), name
+    assert "ChiarForCausalLM CharTokenizer" in result.stdout
