@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from transformers.dynamic_module_utils import get_imports
+from transformers.dynamic_module_utils import get_imports, get_relative_import_files
 
 import hf_spectral
 from hf_spectral import CharTokenizer
@@ -291,6 +291,9 @@ def test_saved_code_is_the_package_code_with_sibling_imports(tmp_path, build):
         assert not re.search(r"^[ \t]*from[ \t]+\.\.", path.read_text(), flags=re.M), name
         needed = set(get_imports(path)) - set(sys.stdlib_module_names)
         assert needed <= ALLOWED_IMPORTS, f"{name} needs {sorted(needed - ALLOWED_IMPORTS)}"
+        # What transformers fetches from a Hub repository for this file (its own regex over the text): all present.
+        for needed_file in get_relative_import_files(path):
+            assert Path(needed_file).is_file(), f"{name} makes transformers look for {Path(needed_file).name}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
