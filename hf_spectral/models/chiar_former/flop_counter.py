@@ -3,9 +3,11 @@
 FLOPs are 2 × the multiply-accumulates of the matrix products the implementation executes (projections, DCT
 matrices, random-feature products, attention scores and weighted values, FFN, LM head); elementwise work
 (softmax, GELU, LayerNorm, exponentials) is not counted. Attention scores are counted over the (query, key) pairs
-a query may see — the valid keys at or before it in a causal model — which is the algorithmic cost; a kernel that
-computes masked blocks too does up to twice that (the sparse attention computes, per block of routed queries, the
-keys its last query sees: about 10% beyond the counted pairs at 25% routing).
+a query may see — the valid keys at or before it in a causal model — which is the algorithmic cost, and routed
+projections over the routed tokens only. Kernels compute more: SDPA with a mask computes every (query, key) pair of
+the gathered layout (about twice the causal pairs), flex_attention every pair of the blocks its block mask visits,
+and the gathered layout pads each row to the batch's largest routed count (to T under torch.compile and on
+accelerators, where the projections then also run on T rows).
 """
 
 import math
