@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - depends on the torch build
 
 logger = logging.get_logger(__name__)
 
+FLEX_BLOCK_SIZE = 128  # flex_attention's default sparse block size
 FUSED_KERNEL_ALIGNMENT = 8  # channels: flash and memory-efficient SDPA on CUDA need head sizes divisible by 8
 
 
@@ -224,6 +225,13 @@ def flex_attention_with_key_bias(
     score_mask = None if block_mask is not None or attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
     groups = _key_value_groups(module, query, key)
     bias = None if key_bias is None else key_bias.to(query.dtype).contiguous()  # the CPU template reads it flat
+    if bias is not None and query.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Inductor's CPU flex template fails to build a kernel whose captured buffer has a dynamic size (what a
+        # recompilation for a new key length makes it): keep the bias static, padded to a multiple of the flex block
+        # size, so that a growing cache recompiles once per block of keys rather than at every step.
+        blocks = -(-bias.shape[-1] // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE
+        bias = nn.functional.pad(bias, (0, blocks - bias.shape[-1]))
+        torch._dynamo.mark_static(bias)
 
     def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
         if bias is not None:
