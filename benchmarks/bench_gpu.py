@@ -438,7 +438,8 @@ def bench_ega(run: Run, budget: Budget, size: dict, backend: str):
             peaks[name] = peak_mib(run.clock, step)
         except Exception as error:
             traceback.print_exc()
-            run.add(**base, measurement="train", model=name, status="error: " + first_line(error))
+            run.add(**base, measurement="train", batch=size["train_batch"], model=name,
+                    status="error: " + first_line(error))
             continue
         steps[name] = step
         extra[name] = {"state_mib": state_mib(model, optimizer),
