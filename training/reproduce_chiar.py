@@ -182,7 +182,7 @@ def aggregate(args, benchmark: str) -> bool:
     notes = (f"Scale: {scale}. {task.primary}: mean ± sample std over seeds; Δ paired by seed (same seed = same data "
              "order). s/step: median wall-clock seconds per optimiser step, measured in the run (shared 2-core CPU: "
              "noisy). attn share: tokens routed to attention in the routed layers (validation data). GFLOPs per "
-             "sequence from the routing taken. 'val curve @ N s': validation curve at the training time of the arm "
+             "sequence from the routing taken. 'val curve @ N s': validation curve at the training time of the run "
              "whose curve ends first (equal wall-clock); '@ last step': equal steps. Paper (SPEC 2.3): "
              f"{task.paper_metric}, at the authors' scale (not comparable in absolute terms)."
              + (f"\n\nMissing runs (not complete when this table was written): {', '.join(missing)}." if missing else ""))

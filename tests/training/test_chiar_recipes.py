@@ -241,7 +241,7 @@ def test_reproduction_plan_and_tables_from_finished_runs(tmp_path, capsys):
                            "learning_rate": 2e-3, "weight_decay": 0.01, "dropout": 0.0}}
 
     runs = tmp_path / "runs" / "wikitext"
-    for arm, seed, ppl, seconds, attention in (("attention", 0, 100.0, 20.0, 0.4), ("attention", 1, 110.0, 22.0, 0.4),
+    for arm, seed, ppl, seconds, attention in (("attention", 0, 100.0, 16.0, 0.4), ("attention", 1, 110.0, 22.0, 0.4),
                                                ("threshold", 0, 120.0, 10.0, 0.1), ("threshold", 1, 125.0, 12.0, 0.1)):
         folder = runs / reproduce_chiar.run_dir_name(arm, seed)
         folder.mkdir(parents=True)
@@ -253,8 +253,10 @@ def test_reproduction_plan_and_tables_from_finished_runs(tmp_path, capsys):
     rows = {row["arm"]: row for row in table["rows"]}
     assert rows["threshold"]["Δ test_perplexity_per_word vs attention (paired)"] == "+17.5000 ± 3.5355"
     assert rows["threshold"]["Δ attn FLOPs"] == "-75.0%" and rows["attention"]["test_perplexity_per_word"] == "105.00 ± 7.07"
-    # Equal wall-clock: the threshold arm's curve ends first (11 s mean); the baseline is read there.
-    assert rows["attention"]["equal_time_budget_seconds"] == pytest.approx(11.0)
-    # seed 0: 7.0 at 10 s, 6.0 at 20 s -> 6.9 at 11 s; seed 1: its first point is at 11 s -> 7.0.
-    assert rows["attention"]["curve_at_equal_time_mean"] == pytest.approx(6.95)
+    # Equal wall-clock: the curve of threshold seed 0 ends first (10 s); every run is read there.
+    assert rows["attention"]["equal_time_budget_seconds"] == pytest.approx(10.0)
+    # attention seed 0: 7.0 at 8 s, 6.0 at 16 s -> 6.75 at 10 s; seed 1: its first point is at 11 s -> 7.0.
+    assert rows["attention"]["curve_at_equal_time_mean"] == pytest.approx(6.875)
+    # threshold seed 0: 6.0 at its last point (10 s); seed 1: 7.0 at 6 s, 6.0 at 12 s -> 6.333 at 10 s.
+    assert rows["threshold"]["curve_at_equal_time_mean"] == pytest.approx((6.0 + 7.0 - 4.0 / 6.0) / 2)
     assert table["missing_runs"] == ["hard-seed0", "hard-seed1"]

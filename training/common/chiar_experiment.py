@@ -820,10 +820,9 @@ def comparison_rows(summaries: list, task: ChiarTask, curve_key: str) -> list:
     groups: dict = {}
     for summary in summaries:
         groups.setdefault(summary["arm"], []).append(summary)
-    # Equal wall-clock: the training time of the arm whose curve ends first (mean over its seeds).
-    budget = min(statistics.fmean(max([e["train_seconds"] for e in s["log_history"]
-                                        if curve_key in e and "train_seconds" in e] or [s["train_seconds"]])
-                                  for s in runs) for runs in groups.values())
+    # Equal wall-clock: the training time of the run whose curve ends first, so that every run has a value there.
+    budget = min(max([e["train_seconds"] for e in s["log_history"] if curve_key in e and "train_seconds" in e]
+                     or [s["train_seconds"]]) for s in summaries)
     base_runs = groups.get("attention", [])
     base_attention = mean_std([s["routing"]["attention_gflops_per_seq"] for s in base_runs])[0]
     base_total = mean_std([s["routing"]["total_gflops_per_seq"] for s in base_runs])[0]
@@ -876,7 +875,7 @@ def write_experiment_results(output_dir: str, summaries: list, task: ChiarTask, 
              "(forward, backward, optimiser). attn share: fraction of tokens routed to attention in the routed layers "
              "(validation data, evaluation mode). GFLOPs per sequence counted from the routing taken "
              "(`count_flops`). 'val curve @ N s': the validation-curve "
-             f"{curve_key.replace('eval_validation_curve_', '')} at the training time of the fastest arm (equal "
+             f"{curve_key.replace('eval_validation_curve_', '')} at the training time of the run whose curve ends first (equal "
              f"wall-clock); '@ last step': at equal steps. Paper (SPEC 2.3, the authors' scale): {task.paper_metric}.")
     config = {"preset": preset_name, **preset.to_dict(), "data": data.info,
               **{k: getattr(args, k) for k in ("layer_norm_position", "routed_execution", "calibration_percentiles",
