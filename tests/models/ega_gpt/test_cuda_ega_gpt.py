@@ -1,0 +1,111 @@
+"""EGA-GPT and the retrofit on CUDA: backends agree, cached generation equals the forward, bfloat16 statistics stay
+float32, and the gated SDPA call runs in a fused kernel (flash or memory-efficient), never the math fallback."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hf_spectral import EGAForCausalLM
+from tests.models.ega_gpt.test_modeling_ega_gpt import VOCAB, padded_batch, tiny_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def cuda_model(variant="EGA-1", dtype=torch.float32, seed=0, **overrides):
+    """Head size 16 (48 channels, 3 heads): a folded head of 17 channels, padded to 24 for the fused kernels."""
+    torch.manual_seed(seed)
+    config = tiny_config(variant, hidden_size=48, num_attention_heads=3, max_position_embeddings=1024, **overrides)
+    model = EGAForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith((".alpha", ".tau", ".mix_logits")):
+                parameter.normal_(0, 1.5)
+    return model.to(device="cuda", dtype=dtype)
+
+
+def test_backends_agree_on_cuda():
+    ids, mask = (t.cuda() for t in padded_batch())
+    model = cuda_model("EGA-M", energy_scales=[3, 7])
+    outputs = {}
+    for backend in ("eager", "sdpa", "flex_attention"):
+        model.set_attn_implementation(backend)
+        with torch.no_grad():
+            outputs[backend] = model(ids, attention_mask=mask).logits
+    for backend in ("sdpa", "flex_attention"):
+        torch.testing.assert_close(outputs[backend] * mask[..., None], outputs["eager"] * mask[..., None],
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex_attention"])
+@pytest.mark.parametrize("variant", ["EGA-1", "EGA-C"])
+def test_cached_generation_equals_the_forward_on_cuda(variant, backend):
+    model = cuda_model(variant, **({"energy_scales": [3, 5]} if variant == "EGA-C" else {}))
+    model.set_attn_implementation(backend)
+    ids, mask = (t.cuda() for t in padded_batch())
+    for cache_implementation in ("dynamic", "static"):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, cache_implementation=cache_implementation)
+        full_mask = torch.cat([mask, torch.ones(3, 4, dtype=mask.dtype, device="cuda")], 1)
+        with torch.no_grad():
+            full = model(out.sequences, attention_mask=full_mask).logits
+        for step, logits in enumerate(out.logits):
+            torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_statistics_stay_within_0_02_of_float32_on_cuda():
+    """1,024 tokens one at a time through a bfloat16 cache: every gate within 0.02 of a float32 forward."""
+    reference = cuda_model("EGA-1", num_hidden_layers=1)
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            if ".ln_" in name:
+                parameter.normal_(0.5 if name.endswith("weight") else 0.0, 0.5)
+    low = cuda_model("EGA-1", num_hidden_layers=1)
+    low.load_state_dict(reference.state_dict())
+    low.to(torch.bfloat16)
+    reference.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in reference.state_dict().items()})
+    ids = torch.randint(1, VOCAB, (2, 1024), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        expected = reference(ids, output_gate_values=True).gate_values[0]
+        cache, gates = None, []
+        for t in range(1024):
+            out = low(ids[:, t : t + 1], cache=cache, use_cache=True, output_gate_values=True)
+            cache = out.cache
+            gates.append(out.gate_values[0].float())
+    assert (torch.cat(gates, -1) - expected).abs().max() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gated_sdpa_runs_in_a_fused_kernel(dtype):
+    """With only the flash and memory-efficient kernels allowed, SDPA raises if the folded shapes would need the
+    math fallback: a padded batch, an unpadded one, a cached decoding step, and a training step."""
+    model = cuda_model("EGA-1", dtype=dtype)
+    model.set_attn_implementation("sdpa")
+    ids, mask = (t.cuda() for t in padded_batch())
+    with sdpa_kernel(FUSED):
+        with torch.no_grad():
+            model(ids, attention_mask=mask)
+            out = model(ids[:, 5:], use_cache=True)
+            assert out.cache.layers[0].keys.shape[-1] % 8 == 0
+            model(ids[:, -1:], cache=out.cache, use_cache=True)
+            model.generate(ids[:, 5:], max_new_tokens=3, do_sample=False)
+        model.train()
+        model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+
+
+def test_retrofitted_gpt2_gated_sdpa_runs_in_a_fused_kernel(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, attn_implementation="sdpa")
+    model = GPT2LMHeadModel(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    add_energy_gates(model, EnergyGateConfig(alpha_init=0.5))
+    ids, mask = (t.cuda() for t in padded_batch())
+    with sdpa_kernel(FUSED), torch.no_grad():
+        model(ids, attention_mask=mask)
+        out = model(ids[:, 5:], use_cache=True)
+        model(ids[:, -1:], cache=out.cache, use_cache=True)
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
