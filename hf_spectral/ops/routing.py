@@ -212,12 +212,17 @@ def gathered_query_block_mask(
     full_indices = block_ids.expand(batch, 1, q_blocks, kv_blocks).contiguous()
     partial_indices = (num_full[:, None, :, None].int() + block_ids).clamp(max=kv_blocks - 1).contiguous()
 
+    last_query, last_key = slots.shape[1] - 1, kv_blocks * block_size - 1
+
     def mask_mod(b, h, q, kv):
-        allowed = valid[b, q]
+        # Kernels may evaluate indices past the padded tables (CPU kernels tile with their own block sizes): clamp
+        # the lookups and refuse those pairs.
+        q_index, kv_index = q.clamp(max=last_query), kv.clamp(max=last_key)
+        allowed = valid[b, q_index] & (q <= last_query) & (kv < key_length)
         if is_causal:
-            allowed = allowed & (kv <= slots[b, q])
+            allowed = allowed & (kv <= slots[b, q_index])
         if key_valid is not None:
-            allowed = allowed & (key_valid[b, kv] | (kv == slots[b, q]))
+            allowed = allowed & (key_valid[b, kv_index] | (kv == slots[b, q_index]))
         return allowed
 
     return BlockMask.from_kv_blocks(

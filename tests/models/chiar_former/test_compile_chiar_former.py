@@ -6,6 +6,8 @@ graphs (forward and backward) that the default Inductor backend would receive, w
 for each of them (minutes per graph on a small CPU). One test runs the default backend end to end.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -78,6 +80,12 @@ def test_compiled_forward_and_training_step_match_eager(router_type, is_causal):
         torch.testing.assert_close(grad, expected_grads[name], **GRADIENT_TOLERANCE, msg=name)
 
 
+@pytest.mark.skipif(
+    os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2"),
+    reason="with ATEN_CPU_CAPABILITY forced below the CPU's own ISA, Inductor's C++ kernels for this model fail to "
+    "compile (default: at::vec used in scalar code) or give NaN entropies (avx2 on an AVX-512 CPU) in torch 2.13; "
+    "the aot_eager tests above cover the traced graphs",
+)
 def test_default_backend_compiles_a_routed_model_and_matches_eager():
     """torch.compile(model) with Inductor: forward and a training step (optimizer included) of a threshold-routed
     causal model; the sparse layout is the static one (T rows) under compilation, eager mode gathers fewer rows."""
