@@ -51,12 +51,13 @@ ANALYSIS = """\
 
 - Keys and values come from every token (SPEC 2.1), so a routed layer still projects K and V for all tokens: at
   25% routing the attention projections fall only to ≈ 62% (`attn_flop_reduction_L2`), not 25%.
-- In eager mode on CPU the routed queries of each row are gathered into a (B, Q) layout with Q the batch's largest
-  routed count (rounded up to 128-query blocks for flex_attention): the query and output projections run on those
-  rows only. SDPA then attends them against all keys with a boolean mask (the causal cut is a mask, not a skipped
-  block: ≈ Q·S (query, key) pairs, against S²/2 for the dense causal kernel, i.e. about half at 25% routing, not a
-  quarter); flex_attention skips every block of unrouted queries and each block's future through its block mask
-  (≈ the causally visible pairs), but its CPU kernel is slower per pair than SDPA's flash kernel.
+- In eager mode on CPU with SDPA the routed queries of each row are gathered into a (B, Q) layout with Q the batch's
+  largest routed count: the query and output projections run on those rows only. They are attended in up to four
+  groups, each against the key prefix its latest query reads, with a boolean mask (the causal cut inside a group
+  is a mask, not a skipped block: ≈ 5/8 · Q·S (query, key) pairs, against S²/2 for the dense causal kernel).
+  flex_attention keeps Q = T (one compiled shape) and skips every block of unrouted queries and each block's
+  future through its block mask (≈ the causally visible pairs), but its CPU kernel is slower per pair than SDPA's
+  flash kernel, and the query / output projections run on all T rows.
 - Under torch.compile and on accelerators the layout has the static width T (no host read of the routed count):
   the projections then process T rows; flex_attention's block mask still skips the unrouted query blocks.
 - The FFNs (4×, exact GELU), the LayerNorms, the LM head and layer 4's full attention are the same in both models:
@@ -153,9 +154,7 @@ def bench(seq_len: int, implementation: str, args) -> dict:
     captured = layer_two_inputs(chiar, ids)
     states, position_embeddings = captured["states"], captured["position_embeddings"]
     selected = captured["routes"] == 1
-    capacity = int(selected.sum(1).max())
-    if implementation == "flex_attention":
-        capacity = min(seq_len, -(-capacity // 128) * 128)
+    capacity = seq_len if implementation == "flex_attention" else int(selected.sum(1).max())
     layout = routed_layout(selected, capacity)
     routed_attention, dense_attention = chiar.model.layers[1].attention, full.model.layers[1].attention
     with torch.no_grad():
@@ -282,6 +281,7 @@ def main():
         for implementation in args.backends:
             for seq_len in args.seq_lens:
                 started = time.perf_counter()
+                torch._dynamo.reset()  # flex_attention compiled afresh for each shape (no dynamic-shape kernel)
                 rows.append(bench(seq_len, implementation, args))
                 print(f"{implementation} threads={threads} T={seq_len} ({time.perf_counter() - started:.0f}s): {rows[-1]}",
                       flush=True)

@@ -18,8 +18,9 @@ forward pass reads a tensor on the host where that costs a synchronisation:
   read); then ``flex_attention``'s block mask skips every block of unrouted queries and the future of each routed
   block, while the query / output projections and SDPA still process Q = T rows;
 * in eager mode on CPU, where reading the routed count costs nothing, Q is the largest routed count of the batch
-  (rounded up to whole 128-query blocks for ``flex_attention``): projections and attention then process ≈ the routed
-  fraction of the queries.
+  (SDPA and eager attention; ``flex_attention`` keeps Q = T so that its compiled kernel sees one shape): projections
+  and attention then process ≈ the routed fraction of the queries, and the causal queries are attended in up to four
+  groups, each against the key prefix its latest query reads (about 5/8 of the (query, key) pairs of one call).
 
 Soft routing, and ``routed_execution="dense"`` (the authors' one-hot select), run every operator on every token.
 Routing is per token and reads only the token's own state, so a causal model stays causal and generation with the
@@ -82,9 +83,12 @@ from ...ops.spectral import dct, dct_even_odd, dct_mixing, idct, spectral_entrop
 
 logger = logging.get_logger(__name__)
 
-# Query blocks of flex_attention's block masks (its default block size): a gathered layout is rounded up to whole
-# blocks so that the compiled kernel sees few distinct shapes.
+# Block size of CHIAR's flex_attention block masks (flex_attention's default).
 FLEX_BLOCK_SIZE = 128
+# Gathered causal queries attended in up to this many groups, each against its own key prefix (eager mode on CPU),
+# when each group holds at least KEY_PREFIX_MIN_QUERIES queries (fewer make the kernel calls inefficient).
+KEY_PREFIX_CHUNKS = 4
+KEY_PREFIX_MIN_QUERIES = 64
 
 _ROUTING_DOC = r"""
     routing_decisions (`tuple[torch.LongTensor]`):
@@ -342,26 +346,66 @@ class ChiarAttention(nn.Module):
             query = self._heads(self.q_proj(gather_routed(hidden_states, index)))
             query = rotate(query, gather_routed(cos, index), gather_routed(sin, index))
             query_slots = index + past_length
-        mask, is_causal = self._mask(
-            implementation, query_slots, query_valid, key_valid, key_length, dense=layout is None
-        )
-
         attention_interface: Callable = eager_attention_forward
         if implementation != "eager":
             attention_interface = ALL_ATTENTION_FUNCTIONS[implementation]
+        dropout = self.config.attention_dropout if self.training else 0.0
+        chunks = self._key_prefix_chunks(implementation, query_slots) if layout is not None else 1
+        if chunks > 1:
+            attn_output = self._attend_in_key_prefixes(
+                attention_interface, chunks, query, key, value, query_slots, query_valid, key_valid, dropout, **kwargs
+            )
+            return self.dropout(self.o_proj(attn_output.reshape(batch, query.shape[2], -1))), None
+
+        mask, is_causal = self._mask(
+            implementation, query_slots, query_valid, key_valid, key_length, past_length, dense=layout is None
+        )
+        if implementation == "flex_attention":
+            # torch 2.13's CPU flex_attention kernel gives wrong results when queries and keys come in different memory
+            # layouts (e.g. projection views against a cache's contiguous keys): hand it one layout.
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         attn_output, attn_weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            mask,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            is_causal=is_causal,
-            **kwargs,
+            self, query, key, value, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal, **kwargs
         )
         attn_output = self.dropout(self.o_proj(attn_output.reshape(batch, query.shape[2], -1)))
         return attn_output, attn_weights if layout is None else None
+
+    def _key_prefix_chunks(self, implementation: str, query_slots: torch.Tensor) -> int:
+        """How many groups of gathered causal queries to attend separately, each against only the key prefix its
+        latest query reads. Only where the prefix lengths can be read for free (eager mode on CPU) and for the
+        backends that compute every (query, key) pair they are given (SDPA with a mask, eager): ≈ (1 + 1/n) / 2 of
+        the pairs with n groups. flex_attention's block mask already skips each block's future."""
+        if not self.is_causal or implementation not in ("sdpa", "eager") or not _host_reads_are_free(query_slots):
+            return 1
+        return max(1, min(KEY_PREFIX_CHUNKS, query_slots.shape[1] // KEY_PREFIX_MIN_QUERIES))
+
+    def _attend_in_key_prefixes(
+        self, attention_interface, chunks, query, key, value, query_slots, query_valid, key_valid, dropout, **kwargs
+    ):
+        """Gathered causal queries (B, heads, Q, head_dim) in ``chunks`` consecutive groups, each against the keys up
+        to the latest slot a valid query of the group has (one host read for all groups) -> (B, Q, heads, head_dim)."""
+        width = query.shape[2]
+        bounds = [round(i * width / chunks) for i in range(chunks + 1)]
+        latest = torch.where(query_valid, query_slots, 0)
+        ends = torch.stack([latest[:, start:end].amax() for start, end in zip(bounds[:-1], bounds[1:])]) + 1
+        outputs = []
+        for start, end, key_length in zip(bounds[:-1], bounds[1:], ends.tolist()):
+            mask = gathered_query_mask(
+                query_slots[:, start:end], query_valid[:, start:end], key_valid, key_length, is_causal=True
+            )
+            out, _ = attention_interface(
+                self,
+                query[:, :, start:end],
+                key[:, :, :key_length],
+                value[:, :, :key_length],
+                mask,
+                dropout=dropout,
+                scaling=self.scaling,
+                is_causal=False,
+                **kwargs,
+            )
+            outputs.append(out)
+        return torch.cat(outputs, dim=1)
 
     def _implementation(self, kwargs: dict) -> str:
         """The attention backend of this call: the config's, or eager when attention probabilities are asked for,
@@ -376,19 +420,19 @@ class ChiarAttention(nn.Module):
             return "eager"
         return implementation
 
-    def _mask(self, implementation, query_slots, query_valid, key_valid, key_length, dense):
+    def _mask(self, implementation, query_slots, query_valid, key_valid, key_length, past_length, dense):
         """The attention mask of queries at ``query_slots`` (B, Q) and the ``is_causal`` flag for the backend.
 
         flex_attention: a BlockMask (blocks of unrouted queries and each block's future skipped). SDPA over every
-        query of a causal layer without padding or cache: no mask, the kernel's own causal flag (its fastest path).
-        Otherwise a boolean (B, 1, Q, S) mask."""
+        query without padding, when the keys are exactly the cached and new tokens (not a static cache's longer
+        buffer): no mask, the kernel's own causal flag (its fastest path). Otherwise a boolean (B, 1, Q, S) mask."""
         if implementation == "flex_attention":
             mask = gathered_query_block_mask(
                 query_slots, query_valid, key_valid, key_length, self.is_causal, FLEX_BLOCK_SIZE
             )
             return mask, False
-        if dense and key_valid is None and implementation == "sdpa":
-            if query_slots.shape[1] == key_length:  # every key is a new token: the kernel's causal flag is the mask
+        if dense and key_valid is None and implementation == "sdpa" and key_length == past_length + query_slots.shape[1]:
+            if past_length == 0:  # every key is a new token: the kernel's causal flag is the mask
                 return None, self.is_causal
             if query_slots.shape[1] == 1:  # one new token after the cache: it reads every key
                 return None, False
@@ -424,17 +468,15 @@ class ChiarRouter(nn.Module):
         return routes, probabilities
 
 
-def routed_capacity(selected: torch.Tensor, multiple_of: int = 1) -> int:
+def routed_capacity(selected: torch.Tensor) -> int:
     """Width Q of the gathered layout of the ``selected`` (B, T) tokens.
 
-    Where reading the count costs nothing (CPU, eager mode): the largest count of the batch, rounded up to a multiple
-    of ``multiple_of``, so that projections and attention process only the routed rows. Elsewhere (accelerators,
-    ``torch.compile``): T, a static shape that needs no host read."""
-    length = selected.shape[1]
+    Where reading the count costs nothing (CPU, eager mode): the largest count of the batch, so that projections and
+    attention process only the routed rows. Elsewhere (accelerators, ``torch.compile``): T, a static shape that
+    needs no host read."""
     if not _host_reads_are_free(selected):
-        return length
-    most = int(selected.sum(1).max())
-    return min(length, -(-most // multiple_of) * multiple_of)
+        return selected.shape[1]
+    return int(selected.sum(1).max())
 
 
 class ChiarLayer(GradientCheckpointingLayer):
@@ -529,12 +571,16 @@ class ChiarLayer(GradientCheckpointingLayer):
         # their own tokens; each is called even when no token took it (keys, values and prefix sums of every token
         # go to the cache).
         mixed = dct_output if dct_output is not None else torch.zeros_like(states)
-        multiple_of = FLEX_BLOCK_SIZE if self.config._attn_implementation == "flex_attention" else 1
+        # flex_attention keeps the static width T: its compiled kernel would otherwise see a new query length at every
+        # batch (recompilations, and dynamic shapes its CPU template does not compile in torch 2.13); its block mask
+        # skips the blocks of unrouted queries instead.
+        flex = self.config._attn_implementation == "flex_attention"
         for k, operator in enumerate(self.operators):
             if operator == "dct":
                 continue
             selected = routes == k
-            layout = routed_layout(selected, routed_capacity(selected, multiple_of if operator == "attention" else 1))
+            capacity = selected.shape[1] if flex and operator == "attention" else routed_capacity(selected)
+            layout = routed_layout(selected, capacity)
             out = self._run(operator, states, context, layout=layout)
             mixed = scatter_routed(mixed, selected, layout[0], out)
         if probabilities is not None:

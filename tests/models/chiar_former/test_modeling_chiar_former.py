@@ -543,3 +543,39 @@ def test_bad_inputs_are_refused_naming_the_argument_and_shapes(make_inputs, mess
     model = build(ChiarForCausalLM, tiny_config())
     with pytest.raises(ValueError, match=message):
         model(**make_inputs(random_ids(2, 6, seed=33)))
+
+
+def test_static_cache_without_a_mask_reads_only_the_filled_slots():
+    """A StaticCache hands back its whole key buffer: without a padding mask, the empty slots after the filled ones
+    must still be masked out (the SDPA fast path applies only when the keys are exactly the past and new tokens)."""
+    from transformers import StaticCache
+
+    ids = random_ids(2, 10, seed=34)
+    config = tiny_config(layer_operators=["attention", "routed"], num_hidden_layers=2)
+    model = build(ChiarForCausalLM, config, calibrate_on=ids)
+    full = model(ids).logits
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    logits = [model(ids[:, :4], cache=cache, use_cache=True).logits]
+    for t in range(4, 10):
+        logits.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(logits, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not FLEX_COMPILES_ON_THIS_CPU, reason="Inductor's CPU flex_attention kernel needs a vector ISA "
+                    "(ATEN_CPU_CAPABILITY=default makes its compilation fail in torch 2.13)")
+def test_flex_attention_decoding_through_the_cache_equals_the_eager_forward():
+    """Queries from the projections against keys from the cache (other memory layouts), padded rows, one token at a
+    time: flex_attention's block masks of gathered and dense queries give the eager model's logits."""
+    ids = random_ids(2, 12, seed=35)
+    padded, mask = _left_padded(ids, [0, 3])
+    eager = build(ChiarForCausalLM, tiny_config(attn_implementation="eager"), calibrate_on=ids)
+    flex = _with_backend(eager, "flex_attention")
+    valid = mask.bool()
+    with torch.no_grad():
+        full = eager(padded, attention_mask=mask).logits
+        out = flex(padded[:, :6], attention_mask=mask[:, :6], use_cache=True)
+        logits = [out.logits]
+        for t in range(6, 12):
+            out = flex(padded[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=out.cache, use_cache=True)
+            logits.append(out.logits)
+    torch.testing.assert_close(torch.cat(logits, 1)[valid], full[valid], atol=1e-5, rtol=1e-5)
