@@ -18,6 +18,7 @@
 #   GPU_CHECK_TESTS_S    limit of the CUDA tests (default 200: their flex_attention cases compile)
 #   GPU_CHECK_RESULTS    folder of the results (default results/benchmarks)
 #   GPU_CHECK_TESTS_DIR  where the CUDA tests are looked for (default tests)
+#   GPU_CHECK_TEST_WORKERS  pytest-xdist workers for the CUDA tests where xdist is installed (default 4; 1 on a CPU)
 #   GPU_CHECK_CPU=1      run the same steps on a CPU (tests skip what needs CUDA, the benchmark runs with
 #                        --device cpu --tiny): checks the machinery, measures nothing
 #   OUT                  when set, the results and logs are copied there too
@@ -38,6 +39,7 @@ TESTS_S="${GPU_CHECK_TESTS_S:-200}"
 RESULTS="${GPU_CHECK_RESULTS:-results/benchmarks}"
 TESTS_DIR="${GPU_CHECK_TESTS_DIR:-tests}"
 CPU_MODE="${GPU_CHECK_CPU:-0}"
+if [ "$CPU_MODE" = "1" ]; then TEST_WORKERS="${GPU_CHECK_TEST_WORKERS:-1}"; else TEST_WORKERS="${GPU_CHECK_TEST_WORKERS:-4}"; fi
 INVOKED_BY="bash benchmarks/gpu_check.sh $*"
 if [ "$CPU_MODE" = "1" ]; then INVOKED_BY="GPU_CHECK_CPU=1 $INVOKED_BY"; fi
 BENCH_ARGS=()
@@ -129,6 +131,11 @@ print('transformers', transformers.__version__)
         local left=$TESTS_S started per_test=()
         # A test that hangs fails alone (pytest-timeout, where installed) instead of taking the whole run's limit.
         if "$PY" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout=90); fi
+        # Several workers (pytest-xdist, where installed): the flex_attention cases spend their time compiling on the
+        # host's cores, which a single process leaves idle.
+        if [ "$TEST_WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
+            per_test+=(-n "$TEST_WORKERS")
+        fi
         if [ -n "$files" ]; then
             started=$(date +%s)
             # shellcheck disable=SC2086
