@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
+from tests.helpers import INDUCTOR_ISA_FORCED, INDUCTOR_SKIP_REASON
 from hf_spectral.ops.gated_attention import (
     attention_with_key_bias,
     cached_length,
@@ -61,6 +62,7 @@ def test_bias_equals_gating_and_renormalising_the_attention(backend, groups):
         torch.testing.assert_close(weights, probabilities)
 
 
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
 def test_flex_attention_adds_the_bias_in_a_score_mod():
     """One small compiled case (float32: the CPU flex kernel), with grouped-query heads."""
     q, k, v, gate = _inputs(dtype=torch.float32)
