@@ -188,6 +188,7 @@ def aggregate(args, benchmark: str) -> bool:
              f"{task.paper_metric}, at the authors' scale (not comparable in absolute terms)."
              + (f"\n\nMissing runs (not complete when this table was written): {', '.join(missing)}." if missing else ""))
     extra = {"run_hardware": first.get("hardware"), "paired_deltas": deltas, "missing_runs": missing,
+             "run_commands": sorted({s.get("command", "") for s in summaries}),
              "runs": [{k: v for k, v in s.items() if k not in ("log_history", "hardware", "preset")} for s in summaries]}
     os.makedirs(args.results_dir, exist_ok=True)
     write_results(args.results_dir, benchmark, rows, title=f"CHIAR-Former reproduction, {task.title}, CPU scale",
