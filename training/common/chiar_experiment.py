@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .exit_codes import EXIT_INTERRUPTED
 from .presets import LMPreset
 
 # ------------------------------------------------------------------------------------------------------------
@@ -42,7 +43,7 @@ ARMS = {
     "dct": "every layer DCT mixing (mixes nothing across tokens: the control)",
 }
 LAYOUTS = {"": "authors' layout (DCT, routed ..., attention)", "all": "every layer routed"}
-EXIT_INTERRUPTED_CODE = 3  # a run stopped with a checkpoint (signal or --stop_after_steps); as runs.EXIT_INTERRUPTED
+EXIT_INTERRUPTED_CODE = EXIT_INTERRUPTED  # a run stopped with a checkpoint (signal or --stop_after_steps)
 ROUTING_OUTPUT_KEYS = ["cache", "routing_decisions", "routing_entropies", "routing_fractions",
                        "router_probabilities", "aux_loss", "hidden_states", "attentions"]
 
