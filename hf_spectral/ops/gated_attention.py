@@ -33,7 +33,6 @@ except ImportError:  # pragma: no cover - depends on the torch build
 
 logger = logging.get_logger(__name__)
 
-FLEX_BLOCK_SIZE = 128  # flex_attention's default sparse block size
 FUSED_KERNEL_ALIGNMENT = 8  # channels: flash and memory-efficient SDPA on CUDA need head sizes divisible by 8
 
 
@@ -225,13 +224,6 @@ def flex_attention_with_key_bias(
     score_mask = None if block_mask is not None or attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
     groups = _key_value_groups(module, query, key)
     bias = None if key_bias is None else key_bias.to(query.dtype).contiguous()  # the CPU template reads it flat
-    if bias is not None and query.device.type == "cpu" and not torch.compiler.is_compiling():
-        # Inductor's CPU flex template fails to build a kernel whose captured buffer has a dynamic size (what a
-        # recompilation for a new key length makes it): keep the bias static, padded to a multiple of the flex block
-        # size, so that a growing cache recompiles once per block of keys rather than at every step.
-        blocks = -(-bias.shape[-1] // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE
-        bias = nn.functional.pad(bias, (0, blocks - bias.shape[-1]))
-        torch._dynamo.mark_static(bias)
 
     def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
         if bias is not None:
@@ -240,17 +232,28 @@ def flex_attention_with_key_bias(
             score = score + score_mask[batch_idx, 0, q_idx, kv_idx]
         return score
 
-    output = compile_friendly_flex_attention(
-        query.contiguous(),
-        key.contiguous(),
-        value.contiguous(),
-        score_mod=score_mod,
-        block_mask=block_mask,
-        enable_gqa=groups > 1,
-        scale=scaling,
-        training=module.training,
-    )
+    inputs = (query.contiguous(), key.contiguous(), value.contiguous())
+    options = dict(score_mod=score_mod, block_mask=block_mask, enable_gqa=groups > 1, scale=scaling)
+    if query.device.type == "cpu" and not torch.compiler.is_compiling():
+        output = _static_cpu_flex_attention()(*inputs, **options)
+    else:
+        output = compile_friendly_flex_attention(*inputs, training=module.training, **options)
     return output.transpose(1, 2).contiguous(), None
+
+
+_STATIC_CPU_FLEX = []
+
+
+def _static_cpu_flex_attention():
+    """flex_attention compiled for static shapes, for CPU. transformers compiles it once and lets recompilations
+    make shapes dynamic; with dynamic sizes, torch 2.13's CPU flex template cannot build a kernel whose score or
+    mask function reads a captured tensor (the gate's bias, transformers' padding mask): the C++ does not compile.
+    Static shapes recompile per shape instead (and run uncompiled past dynamo's recompilation limit)."""
+    if not _STATIC_CPU_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _STATIC_CPU_FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _STATIC_CPU_FLEX[0]
 
 
 def folded_attention(

@@ -338,6 +338,7 @@ def test_output_attentions_are_the_gated_renormalised_probabilities():
 def test_output_attentions_under_fused_backends_warn_and_fall_back_to_eager(backend, caplog):
     from transformers.utils import logging
 
+    logging.warning_once.cache_clear()  # an earlier test may have had the warning already
     model = tiny_model("EGA-1", energy_gate_layers=[1])  # an ungated and a gated layer
     ids, mask = padded_batch()
     model.set_attn_implementation("eager")
