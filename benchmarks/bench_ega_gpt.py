@@ -46,10 +46,10 @@ REASONS = {
     "generate": "per step and layer the gate runs ~20 small element-wise ops (moments, log-sigmoid, packing its "
     "state into the cache) on tensors of a few hundred values: bound by op dispatch, not arithmetic",
     "memory": "the folded channel stores q, k and v once more (D + 1 channels) for the backward pass",
-    "generate_flex_attention": "on CPU gated layers compile flex_attention for static shapes (with dynamic ones "
-    "torch 2.13's CPU flex template cannot build a kernel reading the captured bias), so each new key length "
-    "recompiles and, past dynamo's recompilation limit, runs uncompiled, where the ungated model's dynamic-shape "
-    "kernel is reused; on CUDA the gated layers use transformers' compiled kernel as is",
+    "generate_flex_attention": "the gate's per-step ops as under SDPA; besides, on CPU both models compile "
+    "flex_attention for static shapes (with dynamic ones torch 2.13's CPU flex template cannot build kernels reading "
+    "a captured tensor), so every new key length recompiles and, past dynamo's recompilation limit, runs "
+    "uncompiled: short runs are dominated by compilation",
 }
 
 

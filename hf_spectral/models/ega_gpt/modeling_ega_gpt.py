@@ -39,6 +39,7 @@ from ...ops.gated_attention import (
     attention_with_key_bias,
     cached_gate_state,
     eager_attention_with_key_bias,
+    flex_attention_with_key_bias,
     fold_bias_into_kv,
     folded_attention,
     folded_head_size,
@@ -78,6 +79,11 @@ class EGASequenceClassifierOutputWithPast(SequenceClassifierOutputWithPast):
     """
 
     gate_values: tuple[torch.FloatTensor, ...] | None = None
+
+
+def flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """flex_attention without a bias, as the gated layers call it (on CPU: compiled for static shapes)."""
+    return flex_attention_with_key_bias(module, query, key, value, None, attention_mask, scaling, dropout)
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -147,10 +153,12 @@ class EGAAttention(nn.Module):
         if self.energy_gate is None:
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)
-            # output_attentions: only eager computes the probabilities; it stands in for the other backends
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                implementation_for_call(implementation, kwargs), eager_attention_forward
-            )
+            # output_attentions: only eager computes the probabilities; it stands in for the other backends.
+            # flex_attention: the gated layers' call (no bias here), which also builds padded batches on CPU.
+            implementation = implementation_for_call(implementation, kwargs)
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            if implementation == "flex_attention":
+                attention_interface = flex_attention_forward
             attn_output, attn_weights = attention_interface(
                 self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
             )

@@ -295,14 +295,13 @@ def test_window_statistics_decode_alike_with_dynamic_and_static_caches():
 @pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
 @pytest.mark.parametrize("variant", ["EGA-1", "EGA-M"])
 def test_attention_backends_agree(variant):
-    """eager (bias added to the scores), sdpa (folded channel) and flex_attention (score_mod): a padded forward and
-    an unpadded cached step. (A *padded* cached step under flex_attention does not build on CPU with torch 2.13 —
-    inductor's CPU flex template fails on the padding mask's captured buffer once the key length is dynamic —
-    for transformers' stock models as much as for this one.)"""
+    """eager (bias added to the scores), sdpa (folded channel) and flex_attention (score_mod): a padded forward, an
+    unpadded cached step and a left-padded greedy generation (on CPU flex_attention is compiled for static shapes:
+    with dynamic ones torch 2.13's CPU template cannot build the padding mask's kernel)."""
     ids, mask = padded_batch()
     unpadded = ids[:, 5:]
-    model = tiny_model(variant)
-    outputs, steps = {}, {}
+    model = tiny_model(variant, energy_gate_layers=[1])  # an ungated and a gated layer
+    outputs, steps, generated = {}, {}, {}
     for backend in ("eager", "sdpa", "flex_attention"):
         model.set_attn_implementation(backend)
         assert model.model.h[0].attn.config._attn_implementation == backend
@@ -310,7 +309,9 @@ def test_attention_backends_agree(variant):
             outputs[backend] = model(ids, attention_mask=mask).logits
             cache = model(unpadded[:, :-1], use_cache=True).cache
             steps[backend] = model(unpadded[:, -1:], cache=cache, use_cache=True).logits
+        generated[backend] = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     for backend in ("sdpa", "flex_attention"):
+        assert torch.equal(generated[backend], generated["eager"])
         assert_close_on_tokens(outputs[backend], outputs["eager"], mask)
         torch.testing.assert_close(steps[backend], steps["eager"], atol=1e-5, rtol=0)
     with torch.no_grad():
