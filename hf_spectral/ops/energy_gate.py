@@ -63,24 +63,28 @@ def causal_zscore(
         z (B, H, S, T), and the running count (B, H, 1, T), mean and M2 (B, H, S, T) at each position — the state
         a later step continues from. All float32.
     """
-    if weight is None:
-        weight = energy.new_ones(1, 1, 1, energy.shape[-1])
-    first = weight.argmax(-1, keepdim=True).expand(*energy.shape[:-1], 1)  # the first token of each row
-    shift = energy.gather(-1, first)
-    if past is None:
-        past_count, past_m2 = energy.new_zeros(1, 1, 1, 1), energy.new_zeros(1, 1, 1, 1)
-    else:  # after a past, shift by its mean: the past then adds only its count and M2 (Chan et al.'s merge)
+    length = energy.shape[-1]
+    if weight is None:  # every position is a token: no masking, counts are 1, 2, … (what weights of 1 would give)
+        shift, count = energy[..., :1], torch.arange(1, length + 1, device=energy.device, dtype=energy.dtype)
+    else:
+        shift = energy.gather(-1, weight.argmax(-1, keepdim=True).expand(*energy.shape[:-1], 1))  # first token
+        count = weight.cumsum(-1)
+    if past is not None:  # after a past, shift by its mean: the past then adds only its count and M2 (Chan's merge)
         past_count, past_mean, past_m2 = past
         shift = torch.where(past_count > 0, past_mean, shift)
-    x = (energy - shift) * weight
-    count = past_count + weight.cumsum(-1)
-    safe_count = count.clamp(min=1)
-    s1 = x.cumsum(-1)
-    m2 = (past_m2 + x.square().cumsum(-1) - s1.square() / safe_count).clamp(min=0)
+        count = past_count + count
+    x = energy - shift if weight is None else (energy - shift) * weight
+    s1, s2 = (x, x.square()) if length == 1 else (x.cumsum(-1), x.square().cumsum(-1))  # one step: no cumsum to run
+    running_mean = s1 / count.clamp(min=1)  # of the shifted values
+    m2 = s2 - s1 * running_mean if past is None else past_m2 + s2 - s1 * running_mean
+    m2 = m2.clamp(min=0)
     std = (m2 / (count - 1).clamp(min=1)).clamp(min=eps * eps).sqrt()
-    z = (x - s1 / safe_count) / std * ((count >= 2) & (weight > 0))
-    mean = torch.where(count > 0, shift + s1 / safe_count, 0.0)  # no token yet: a defined state, whatever the chunking
-    return z, count.expand(*energy.shape[:2], 1, -1), mean, m2
+    seen = count >= 2 if weight is None else (count >= 2) & (weight > 0)
+    z = (x - running_mean) / std * seen
+    mean = shift + running_mean
+    if weight is not None:  # no token yet: a defined state, whatever the chunking
+        mean = torch.where(count > 0, mean, 0.0)
+    return z, count.expand(*energy.shape[:2], 1, length), mean, m2
 
 
 def window_zscore(energy: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
@@ -183,16 +187,24 @@ def padding_mask(mask, length: int | None = None) -> torch.Tensor | None:
     """The (batch, past + new) bool padding mask (True at tokens) behind an ``attention_mask``: a 2D mask as given;
     a 4D mask (batch, 1, queries, keys), bool or additive, read from its last query row, which sees every earlier
     token: its first ``length`` columns, or up to the last column that row sees; a dict of masks (one per layer
-    type) through its first entry; ``None`` for anything else."""
+    type) through its first entry; ``None`` for anything else, and for a CPU mask without padding.
+
+    Without padding the gates skip their masking (about ten element-wise ops per layer, which bound a decoding step
+    on CPU). Like transformers' own SDPA mask, the check runs only outside compiled graphs, and only on CPU, where
+    reading the mask costs no device synchronisation."""
     if isinstance(mask, dict):
         mask = next((m for m in mask.values() if m is not None), None)
     if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 4):
         return None
     if mask.ndim == 2:
-        return mask.bool()
-    seen = mask[:, 0, -1]
-    seen = seen if seen.dtype == torch.bool else seen == 0
-    return seen[:, : int(seen.any(0).nonzero().max()) + 1 if length is None else length]
+        tokens = mask.bool()
+    else:
+        seen = mask[:, 0, -1]
+        seen = seen if seen.dtype == torch.bool else seen == 0
+        tokens = seen[:, : int(seen.any(0).nonzero().max()) + 1 if length is None else length]
+    if tokens.device.type == "cpu" and not torch.compiler.is_compiling() and bool(tokens.all()):
+        return None
+    return tokens
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -157,6 +157,9 @@ def test_padding_mask_reads_2d_and_4d_masks():
     additive = torch.where(four_d, 0.0, torch.finfo(torch.float32).min)
     assert torch.equal(padding_mask(additive, 4), mask.bool())
     assert padding_mask(None) is None
+    # no padding: nothing for the gates to mask (on CPU, outside compiled graphs)
+    assert padding_mask(torch.ones(2, 4, dtype=torch.long)) is None
+    assert padding_mask(causal[None, None].expand(2, 1, 4, 4), 4) is None
 
 
 def test_causal_filter_matches_direct_convolution():
