@@ -365,6 +365,18 @@ def measure(run: Run, budget: Budget, key: str, fns: dict, baseline: str, common
     print(f"  {common['measurement']} {common.get('size', '')} {common.get('backend', '')}: {line}", flush=True)
 
 
+def forward_calls(run: Run, models: dict, ids) -> tuple[dict, dict]:
+    """After the training measurements: every model's gradients dropped and its weights cast to the run's dtype
+    (inference runs in bfloat16), then one forward call per model and its peak memory."""
+    for model in models.values():
+        model.zero_grad(set_to_none=True)
+        model.to(run.dtype)
+    if run.clock.cuda:
+        torch.cuda.empty_cache()
+    calls = {name: forward_call(model, ids) for name, model in models.items()}
+    return calls, {name: peak_mib(run.clock, call) for name, call in calls.items()}
+
+
 def skip_spent(run: Run, budget: Budget, prefix: str, base: dict) -> bool:
     """True (and the task's measurements reported as skipped) when too little budget is left to start the task: a
     compiled backend (anything but SDPA and eager) needs ``--min_compile_s`` for its compiles, which no budget trims."""
@@ -449,14 +461,7 @@ def bench_ega(run: Run, budget: Budget, size: dict, backend: str):
                 {**base, "measurement": "train", "batch": size["train_batch"]},
                 size["train_batch"] * size["length"], peaks, extra)
     del steps, step, optimizer  # the optimizer states go with the closures
-    for model in models.values():  # inference runs in bfloat16
-        model.zero_grad(set_to_none=True)
-        model.to(run.dtype)
-    if run.clock.cuda:
-        torch.cuda.empty_cache()
-
-    calls = {name: forward_call(model, forward_ids) for name, model in models.items()}
-    peaks = {name: peak_mib(run.clock, call) for name, call in calls.items()}
+    calls, peaks = forward_calls(run, models, forward_ids)
     measure(run, budget, f"ega/{size['label']}/{backend}/forward", calls, "gpt2",
             {**base, "measurement": "forward", "batch": size["forward_batch"]},
             size["forward_batch"] * size["length"], peaks)
@@ -582,13 +587,7 @@ def bench_chiar(run: Run, budget: Budget, length: int, batch: int, backend: str)
         measure(run, budget, f"chiar/{length}/{backend}/train", steps, "all_attention",
                 {**base, "measurement": "train"}, batch * length, peaks, extra)
     del steps, step
-    for model in models.values():
-        model.zero_grad(set_to_none=True)
-        model.to(run.dtype)
-    if run.clock.cuda:
-        torch.cuda.empty_cache()
-    calls = {name: forward_call(model, ids) for name, model in models.items()}
-    peaks = {name: peak_mib(run.clock, call) for name, call in calls.items()}
+    calls, peaks = forward_calls(run, models, ids)
     measure(run, budget, f"chiar/{length}/{backend}/forward", calls, "all_attention",
             {**base, "measurement": "forward"}, batch * length, peaks, extra)
 
