@@ -67,6 +67,19 @@ def assert_causal(logits_of, input_ids: torch.Tensor, positions, vocab_size: int
         assert not torch.allclose(changed[:, position + 1 :], reference[:, position + 1 :])
 
 
+def gates_decoded_token_by_token(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """Feed ``input_ids`` to ``model`` one token at a time through its cache (``cache=``, ``use_cache=True``,
+    ``output_gate_values=True``): the first layer's gate values of every step, concatenated along the key axis in
+    float32, and the final cache."""
+    with torch.no_grad():
+        cache, gates = None, []
+        for t in range(input_ids.shape[1]):
+            out = model(input_ids[:, t : t + 1], cache=cache, use_cache=True, output_gate_values=True)
+            cache = out.cache
+            gates.append(out.gate_values[0].float())
+    return torch.cat(gates, -1), cache
+
+
 # torch 2.13's Inductor builds C++ kernels for the CPU it runs on; with ATen forced below that ISA
 # (ATEN_CPU_CAPABILITY=default or avx2 on an AVX-512 machine) its flex_attention template fails to compile or the
 # process aborts while building transformers' flex block mask. Tests that compile (flex_attention on CPU,

@@ -105,7 +105,7 @@ def subset(rows: list, count: int | None, seed: int) -> list:
 
 def load_data(args, preset, tokenizer_dir):
     from .common.bpe import byte_tokenizer, load_tokenizer, train_bpe_tokenizer
-    from .common.classification import PadCollator, accuracy_metrics, split_accuracy, tokenized_dataset
+    from .common.classification import PadCollator, accuracy_metrics, split_accuracy_evaluation, tokenized_dataset
 
     reviews = load_reviews(args)
     clean = (lambda text: text) if args.keep_html else (lambda text: text.replace("<br />", " "))
@@ -137,17 +137,8 @@ def load_data(args, preset, tokenizer_dir):
             "max_length": preset.context_length, "tokenizer": description,
             "test_subset": args.max_test_examples is not None and args.max_test_examples < len(reviews["test"])}
 
-    def evaluate(trainer, model, data, preset, args):
-        result = {}
-        for split in ("validation", "test"):
-            found = split_accuracy(trainer, data.datasets[split])
-            result[f"{split}_accuracy"] = found["accuracy"]
-            result[f"{split}_loss"] = found["loss"]
-            result[f"{split}_examples"] = found["examples"]
-        return result
-
     return TaskData(datasets=sets, tokenizer=tokenizer, collator=PadCollator(tokenizer.pad_token_id), info=info,
-                    num_labels=2, evaluate=evaluate, compute_metrics=accuracy_metrics,
+                    num_labels=2, evaluate=split_accuracy_evaluation(), compute_metrics=accuracy_metrics,
                     sample=sets["validation"][0]["input_ids"][:64])
 
 

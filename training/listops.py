@@ -110,7 +110,7 @@ def load_examples(args, preset_name: str, output_dir: str) -> tuple[dict, dict]:
 
 
 def load_data(args, preset, tokenizer_dir):
-    from .common.classification import PadCollator, accuracy_metrics, split_accuracy, tokenized_dataset
+    from .common.classification import PadCollator, accuracy_metrics, split_accuracy_evaluation, tokenized_dataset
     from .listops_data import BRACKETS, evaluate_expression
 
     output_dir = os.path.dirname(tokenizer_dir)
@@ -142,18 +142,8 @@ def load_data(args, preset, tokenizer_dir):
             "max_length": preset.context_length, "brackets": bool(args.keep_brackets),
             "tokenizer": "the 17 ListOps symbols (word level)" + ("" if args.keep_brackets else ", brackets dropped")}
 
-    def evaluate(trainer, model, data, preset, args):
-        result = {}
-        for split in ("validation", "test"):
-            found = split_accuracy(trainer, data.datasets[split], group_column="depth")
-            result[f"{split}_accuracy"] = found["accuracy"]
-            result[f"{split}_loss"] = found["loss"]
-            result[f"{split}_examples"] = found["examples"]
-            result[f"{split}_accuracy_per_depth"] = found["per_depth"]
-        return result
-
     return TaskData(datasets=sets, tokenizer=tokenizer, collator=PadCollator(tokenizer.pad_token_id), info=info,
-                    num_labels=10, evaluate=evaluate, compute_metrics=accuracy_metrics,
+                    num_labels=10, evaluate=split_accuracy_evaluation("depth"), compute_metrics=accuracy_metrics,
                     sample=max((sets["validation"][i]["input_ids"] for i in range(min(200, len(sets["validation"])))),
                                key=len)[:64])
 

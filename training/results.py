@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 
@@ -47,6 +48,22 @@ def current_command() -> str:
         argv = ["python"] + argv
     return " ".join(shlex.quote(arg) for arg in argv)
 
+
+
+def mean_std(values: list) -> tuple:
+    """Mean and sample standard deviation of the values that are not None: (None, None) without any, std None with
+    one value."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def pm(mean, std, digits=4) -> str:
+    """``mean ± std`` with ``digits`` decimals (the mean alone without a std; "" without a mean)."""
+    if mean is None:
+        return ""
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
 
 def _format(value, digits):
     if isinstance(value, float):

@@ -8,6 +8,8 @@ Booleans are refused where numbers are expected (``True`` is an ``int`` to Pytho
 import dataclasses
 import math
 
+from .remote_code import save_pretrained_with_code
+
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -72,6 +74,46 @@ def check_index_list(name: str, values, size: int | None = None, *, allow_empty:
         raise ValueError(f"`{name}` lists an index twice: {list(values)!r}")
 
 
+def check_energy_settings(
+    energy_kind: str, *, projections, scales, morlet_learnable, normalization, eps, default_eps
+) -> None:
+    """Refuse the energy-gate settings that ``energy_kind`` (or ``normalization``) would ignore, and malformed scales.
+
+    ``projections``, ``scales``, ``normalization`` and ``eps`` are ``(field name, value)`` pairs: the name is the one
+    the config calls the field (``energy_projections`` in `EGAConfig`, ``projections`` in the retrofit's gate config),
+    printed in the message. ``morlet_learnable`` is the value (both configs call it that); ``default_eps`` is the
+    value of ``eps`` that ``normalization="none"`` accepts (the field's default)."""
+    projections_name, projections = projections
+    scales_name, scales = scales
+    normalization_name, normalization = normalization
+    eps_name, eps = eps
+    if energy_kind != "linear" and projections != 1:
+        raise ValueError(
+            f"`{projections_name}={projections}` applies to linear energies (EGA-k) and would be ignored with "
+            f"`energy_kind={energy_kind!r}`; its scales are set by `{scales_name}`"
+        )
+    if scales is not None:
+        if energy_kind == "linear":
+            raise ValueError(
+                f"`{scales_name}={scales!r}` applies to conv/morlet/db energies and would be ignored with "
+                f"`energy_kind='linear'`; use `{projections_name}` for linear energies"
+            )
+        if not isinstance(scales, (list, tuple)) or not scales or any(
+            not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in scales
+        ):
+            raise ValueError(f"`{scales_name}` must be a non-empty list of positive integers, got {scales!r}")
+    if energy_kind != "morlet" and morlet_learnable is not True:
+        raise ValueError(
+            f"`morlet_learnable={morlet_learnable!r}` applies to Morlet energies and would be ignored with "
+            f"`energy_kind={energy_kind!r}`"
+        )
+    if normalization == "none" and eps != default_eps:
+        raise ValueError(
+            f"`{eps_name}={eps!r}` bounds the std of the energy statistics and would be ignored with "
+            f"`{normalization_name}='none'`"
+        )
+
+
 # Keys transformers itself writes into or reads from a config.json besides the config's fields.
 _TRANSFORMERS_KEYS = {
     "_name_or_path", "name_or_path", "model_type", "transformers_version", "auto_map", "torch_dtype", "dtype",
@@ -120,7 +162,42 @@ def warn_about_loaded_keys(config_class, config_dict: dict, logger) -> None:
         )
 
 
+class CheckedConfigMixin:
+    """What the package's checked configs (`EGAConfig`, `ChiarConfig`) add to ``PreTrainedConfig``; put it before
+    ``PreTrainedConfig`` in the bases. The config defines ``_validate()``, which runs every check of its values.
+
+    * ``save_pretrained`` writes the model code beside the config (`save_pretrained_with_code`), so that
+      ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works where hf_spectral is not installed;
+    * ``validate_field_values``, a `@strict` class validator, re-runs ``_validate()`` on ``save_pretrained``;
+    * ``from_dict`` checks overriding fields together with the file's values and warns about missing and unknown
+      keys (`take_field_overrides`, `warn_about_loaded_keys`), through the logger of the config's module.
+    """
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, then the model code beside the config (``ops/remote_code.py``), so that
+        ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works where hf_spectral is not installed."""
+        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
+
+    def validate_field_values(self):
+        """`@strict` class validator: re-runs the checks on `save_pretrained`, so that a value assigned after
+        construction (`config.layer_norm_eps = float("nan")`) is refused before it reaches a config.json."""
+        self._validate()
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """transformers' `from_dict` (used by every `from_pretrained`), plus a warning naming the fields a loaded
+        config lacks (their defaults decide the computation) and the keys it has that are no field; overriding
+        fields (`from_pretrained(path, hidden_size=128)`) are checked together with the file's values."""
+        from transformers.utils import logging
+
+        config_dict = {**config_dict, **take_field_overrides(cls, kwargs)}
+        warn_about_loaded_keys(cls, config_dict, logging.get_logger(cls.__module__))
+        return super().from_dict(config_dict, **kwargs)
+
+
 __all__ = [
+    "CheckedConfigMixin",
+    "check_energy_settings",
     "take_field_overrides",
     "warn_about_loaded_keys",
     "check_bool",

@@ -16,6 +16,7 @@ from ..models.ega_gpt.configuration_ega_gpt import (
 from ..ops.validation import (
     check_bool,
     check_choice,
+    check_energy_settings,
     check_finite,
     check_index_list,
     check_positive,
@@ -66,33 +67,18 @@ class EnergyGateConfig:
         check_finite("alpha_init", self.alpha_init)  # a NaN/inf slope breaks the identity at α = 0
         check_positive("eps", self.eps)
         check_bool("morlet_learnable", self.morlet_learnable)
-        if self.energy_kind != "linear" and self.projections != 1:
-            raise ValueError(
-                f"`projections={self.projections}` applies to linear energies (EGA-k) and would be ignored with "
-                f"`energy_kind={self.energy_kind!r}`; its scales are set by `scales`"
-            )
-        if self.energy_kind != "morlet" and self.morlet_learnable is not True:
-            raise ValueError(
-                f"`morlet_learnable={self.morlet_learnable!r}` applies to Morlet energies and would be ignored with "
-                f"`energy_kind={self.energy_kind!r}`"
-            )
-        if self.normalization == "none" and self.eps != DEFAULT_ENERGY_NORM_EPS:
-            raise ValueError(
-                f"`eps={self.eps!r}` bounds the std of the energy statistics and would be ignored with "
-                "`normalization='none'`"
-            )
         if self.scales is None and self.energy_kind != "linear":
             self.scales = list(DEFAULT_KERNEL_SIZES if self.energy_kind in ("conv", "morlet") else DEFAULT_DILATIONS)
+        check_energy_settings(
+            self.energy_kind,
+            projections=("projections", self.projections),
+            scales=("scales", self.scales),
+            morlet_learnable=self.morlet_learnable,
+            normalization=("normalization", self.normalization),
+            eps=("eps", self.eps),
+            default_eps=DEFAULT_ENERGY_NORM_EPS,
+        )
         if self.scales is not None:
-            if self.energy_kind == "linear":
-                raise ValueError(
-                    f"`scales={self.scales!r}` applies to conv/morlet/db energies and would be ignored with "
-                    "`energy_kind='linear'`; use `projections` for linear energies"
-                )
-            if not isinstance(self.scales, (list, tuple)) or not self.scales or any(
-                not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in self.scales
-            ):
-                raise ValueError(f"`scales` must be a non-empty list of positive integers, got {self.scales!r}")
             self.scales = list(self.scales)
         for name in ("layers", "heads"):
             value = getattr(self, name)

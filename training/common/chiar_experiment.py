@@ -20,14 +20,13 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
+from ..results import mean_std, pm
 from .exit_codes import EXIT_INTERRUPTED
-from .presets import LMPreset
+from .presets import LMPreset, add_output_arguments, resolve_preset
 
 # ------------------------------------------------------------------------------------------------------------
 # Arms
@@ -207,18 +206,7 @@ def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
     group.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"])
     group.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GPUs)")
     group.add_argument("--report_to", default="none", help="Trainer loggers, e.g. tensorboard, wandb (default: none)")
-    group = parser.add_argument_group("output, checkpoints, Hub")
-    group.add_argument("--output_dir", help=f"where runs are written (default: runs/{task.recipe}-<preset>)")
-    group.add_argument("--restart", action="store_true", help="discard existing checkpoints and results of the runs")
-    group.add_argument("--stop_after_steps", type=int,
-                       help="stop with a checkpoint after this many steps (resume by rerunning without it)")
-    group.add_argument("--keep_checkpoints", action="store_true", help="keep checkpoints after a run completes")
-    group.add_argument("--no_plots", action="store_true", help="skip the PNG figures")
-    group.add_argument("--push_to_hub", action="store_true", help="push each trained model (and checkpoints) to the Hub")
-    group.add_argument("--hub_model_id", help="repository name; with several runs the run name is appended")
-    group.add_argument("--hub_token", help="token with write access (default: the cached login)")
-    group.add_argument("--hub_private_repo", action="store_true", default=None, help="create private repositories")
-    group.add_argument("--hub_strategy", default="every_save", choices=["end", "every_save", "checkpoint", "all_checkpoints"])
+    add_output_arguments(parser, task.recipe)
     if task.add_arguments:
         task.add_arguments(parser)
     return parser
@@ -253,22 +241,6 @@ def parse_config_overrides(items: list) -> dict:
         except json.JSONDecodeError:
             overrides[key] = value
     return overrides
-
-
-def resolve_preset(args, presets: dict) -> tuple[str, LMPreset]:
-    name = "smoke" if args.smoke else args.preset
-    preset = presets[name].replace(
-        **{key: getattr(args, key, None) for key in LMPreset.__dataclass_fields__
-           if key not in ("description", "variants", "seeds")})
-    if args.seeds:
-        preset = preset.replace(seeds=tuple(args.seeds))
-    for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "context_length", "batch_size",
-                "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps"):
-        if getattr(preset, key) <= 0:
-            raise SystemExit(f"error: --{key} must be positive, got {getattr(preset, key)}")
-    if not 0 <= preset.dropout < 1:
-        raise SystemExit(f"error: --dropout must be in [0, 1), got {preset.dropout}")
-    return name, preset
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -540,18 +512,12 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
     from .callbacks import GracefulInterruptCallback, StopAfterStepsCallback
     from .data import fixed_subset
     from .presets import training_arguments
-    from .runs import barrier, hub_repo_id, is_main_process, read_summary, write_json
+    from .runs import barrier, hub_repo_id, is_main_process, open_run_dir, write_json
     from .trainer import last_complete_checkpoint, remove_checkpoints
 
-    run_dir = os.path.join(output_dir, arm.name)
-    if args.restart and is_main_process() and os.path.isdir(run_dir):
-        shutil.rmtree(run_dir)
-    barrier()
-    done = read_summary(run_dir)
+    run_dir, done = open_run_dir(output_dir, arm.name, args.restart)
     if done is not None:
-        print(f"[{arm.name}] complete already ({run_dir}/summary.json); --restart trains it again", flush=True)
         return done
-    os.makedirs(run_dir, exist_ok=True)
 
     set_seed(arm.seed)  # initial weights, data order, dropout masks
     model = build_model(arm, preset, args, task, data)
@@ -787,19 +753,6 @@ def write_card(directory: str, arm: Arm, preset: LMPreset, task: ChiarTask, summ
 # ------------------------------------------------------------------------------------------------------------
 
 
-def mean_std(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
-def pm(mean, std, digits=2):
-    if mean is None:
-        return ""
-    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
-
-
 def curve_at_time(history: list, key: str, seconds: float):
     """The validation-curve value ``key`` at ``seconds`` of training, linearly interpolated between the curve points
     (training seconds recorded with each point); None beyond the run's last point."""
@@ -912,23 +865,10 @@ def run_recipe(argv, task: ChiarTask, description: str) -> int:
     arms = [Arm(a.family, a.layout, seed) for seed in preset.seeds for a in arm_labels]
     training_overrides = parse_training_overrides(rest)
 
-    import torch
+    from .runs import is_main_process, prepare_recipe
 
-    from .runs import is_main_process
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    output_dir = args.output_dir or os.path.join("runs", f"{task.recipe}-{preset_name}")
-    os.makedirs(output_dir, exist_ok=True)
-    from accelerate import PartialState
-
-    from .data import CorpusNotFoundError
-
-    try:
-        with PartialState().main_process_first():  # the main process trains / writes the tokenizer first
-            data = task.load_data(args, preset, os.path.join(output_dir, "tokenizer"))
-    except (CorpusNotFoundError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    output_dir, data = prepare_recipe(args, task.recipe, preset_name, preset, task.load_data)
+    if data is None:
         return 2
     sizes = ", ".join(f"{split} {len(ds):,}" for split, ds in data.datasets.items())
     print(f"{task.title}: {sizes} examples; vocabulary {len(data.tokenizer)}; preset {preset_name}; runs: "

@@ -58,6 +58,25 @@ def split_accuracy(trainer, dataset, group_column: str | None = None) -> dict:
     return result
 
 
+def split_accuracy_evaluation(group_column: str | None = None):
+    """The ``evaluate`` of a classification recipe's ``TaskData``: ``<split>_accuracy``, ``<split>_loss`` and
+    ``<split>_examples`` of the whole validation and test splits (`split_accuracy`), and with ``group_column``
+    ``<split>_accuracy_per_<group_column>``."""
+
+    def evaluate(trainer, model, data, preset, args):
+        result = {}
+        for split in ("validation", "test"):
+            found = split_accuracy(trainer, data.datasets[split], group_column=group_column)
+            result[f"{split}_accuracy"] = found["accuracy"]
+            result[f"{split}_loss"] = found["loss"]
+            result[f"{split}_examples"] = found["examples"]
+            if group_column:
+                result[f"{split}_accuracy_per_{group_column}"] = found[f"per_{group_column}"]
+        return result
+
+    return evaluate
+
+
 def tokenized_dataset(texts: list, labels: list, encode, max_length: int, extra: dict | None = None):
     """A ``datasets.Dataset`` with input_ids (truncated to ``max_length``), labels, the untruncated length and any
     ``extra`` columns."""

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import sys
 from dataclasses import dataclass
 
 # Light imports only at module level: a recipe parses its options (and answers --help) before torch,
 # transformers, datasets or accelerate are imported; the functions that need them import them.
-from ..results import current_command, hardware_summary, write_results
+from ..results import current_command, hardware_summary, mean_std, pm, write_results
 from .data import LMData, fixed_subset
 from .exit_codes import EXIT_INTERRUPTED
-from .presets import LMPreset, world_size
+from .presets import LMPreset, add_output_arguments, resolve_preset, world_size
 
 NORMALIZATIONS = ("causal", "window", "none")
 
@@ -114,18 +112,7 @@ def add_training_arguments(parser, presets: dict, default_preset: str):
     group.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager", "flex_attention"])
     group.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GPUs)")
     group.add_argument("--report_to", default="none", help="Trainer loggers, e.g. tensorboard, wandb (default: none)")
-    group = parser.add_argument_group("output, checkpoints, Hub")
-    group.add_argument("--output_dir", help="where runs are written (default: runs/<recipe>-<preset>)")
-    group.add_argument("--restart", action="store_true", help="discard existing checkpoints and results of the runs")
-    group.add_argument("--stop_after_steps", type=int,
-                       help="stop with a checkpoint after this many steps (resume by rerunning without it)")
-    group.add_argument("--keep_checkpoints", action="store_true", help="keep checkpoints after a run completes")
-    group.add_argument("--no_plots", action="store_true", help="skip the PNG figures")
-    group.add_argument("--push_to_hub", action="store_true", help="push each trained model (and checkpoints) to the Hub")
-    group.add_argument("--hub_model_id", help="repository name; with several runs the run name is appended")
-    group.add_argument("--hub_token", help="token with write access (default: the cached login)")
-    group.add_argument("--hub_private_repo", action="store_true", default=None, help="create private repositories")
-    group.add_argument("--hub_strategy", default="every_save", choices=["end", "every_save", "checkpoint", "all_checkpoints"])
+    add_output_arguments(parser)
 
 
 def build_parser(recipe: str, description: str, corpus, presets: dict, default_preset: str) -> argparse.ArgumentParser:
@@ -142,26 +129,6 @@ def build_parser(recipe: str, description: str, corpus, presets: dict, default_p
     add_data_arguments(parser, corpus)
     add_training_arguments(parser, presets, default_preset)
     return parser
-
-
-def resolve_preset(args, presets: dict) -> tuple[str, LMPreset]:
-    name = "smoke" if args.smoke else args.preset
-    preset = presets[name].replace(
-        **{field: getattr(args, field, None) for field in LMPreset.__dataclass_fields__
-           if field not in ("description", "variants", "seeds")}
-    )
-    if args.seeds:
-        preset = preset.replace(seeds=tuple(args.seeds))
-    for field in ("num_hidden_layers", "num_attention_heads", "hidden_size", "context_length", "batch_size",
-                  "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps"):
-        if getattr(preset, field) <= 0:
-            raise SystemExit(f"error: --{field} must be positive, got {getattr(preset, field)}")
-    if preset.hidden_size % preset.num_attention_heads:
-        raise SystemExit(f"error: --hidden_size {preset.hidden_size} is not divisible by --num_attention_heads "
-                         f"{preset.num_attention_heads}")
-    if not 0 <= preset.dropout < 1:
-        raise SystemExit(f"error: --dropout must be in [0, 1), got {preset.dropout}")
-    return name, preset
 
 
 def run_specs(args, preset: LMPreset) -> list:
@@ -286,21 +253,15 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
         final_losses,
         hub_repo_id,
         is_main_process,
-        read_summary,
+        open_run_dir,
         train_or_resume,
         write_json,
     )
     from .trainer import remove_checkpoints
 
-    run_dir = os.path.join(output_dir, spec.name)
-    if args.restart and is_main_process() and os.path.isdir(run_dir):
-        shutil.rmtree(run_dir)
-    barrier()
-    done = read_summary(run_dir)
+    run_dir, done = open_run_dir(output_dir, spec.name, args.restart)
     if done is not None:
-        print(f"[{spec.name}] complete already ({run_dir}/summary.json); --restart trains it again", flush=True)
         return done
-    os.makedirs(run_dir, exist_ok=True)
 
     set_seed(spec.seed)  # the seed fixes the initial weights, the data order and the dropout masks
     tokenizer = data.tokenizer
@@ -453,19 +414,6 @@ def _hardware_line(hardware: dict) -> str:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _mean_std(values: list) -> tuple:
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
-def _pm(mean, std, digits=4):
-    if mean is None:
-        return ""
-    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
-
-
 def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None) -> list:
     """One row per (variant, normalisation): mean ± std over seeds, Δ vs BASE (positive = better than BASE,
     as in SPEC 1.4), gap, learned τ, and the paper's numbers beside them."""
@@ -473,24 +421,24 @@ def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None)
     for summary in summaries:
         spec = RunSpec(summary["variant"], summary["normalization"], summary["seed"])
         groups.setdefault(spec.label, []).append(summary)
-    base = _mean_std([s["val_loss"] for s in groups.get("BASE", [])])[0]
+    base = mean_std([s["val_loss"] for s in groups.get("BASE", [])])[0]
     paper_base = paper.get("BASE")
     rows = []
     for label, runs in groups.items():
         variant = runs[0]["variant"]
-        val, val_std = _mean_std([s["val_loss"] for s in runs])
-        leak, leak_std = _mean_std([s.get("val_loss_leak_free") for s in runs])
+        val, val_std = mean_std([s["val_loss"] for s in runs])
+        leak, leak_std = mean_std([s.get("val_loss_leak_free") for s in runs])
         comparable = leak if leak is not None else val  # the leak-free loss is the one that compares with BASE
-        gap, gap_std = _mean_std([s["generalization_gap"] for s in runs])
-        tau, tau_std = _mean_std([s["gates"]["tau_mean"] for s in runs if s.get("gates")])
+        gap, gap_std = mean_std([s["generalization_gap"] for s in runs])
+        tau, tau_std = mean_std([s["gates"]["tau_mean"] for s in runs if s.get("gates")])
         rows.append({
             "model": label,
             "seeds": len(runs),
-            "val loss": _pm(val, val_std),
-            "leak-free val loss": _pm(leak, leak_std),
+            "val loss": pm(val, val_std),
+            "leak-free val loss": pm(leak, leak_std),
             "Δ vs BASE": "" if base is None or label == "BASE" else f"{base - comparable:+.4f}",
-            "gap (val − train)": _pm(gap, gap_std),
-            "τ (mean)": _pm(tau, tau_std, 3),
+            "gap (val − train)": pm(gap, gap_std),
+            "τ (mean)": pm(tau, tau_std, 3),
             "paper val": "" if paper.get(variant) is None else f"{paper[variant]:.4f}",
             "paper Δ": "" if paper.get(variant) is None or paper_base is None or variant == "BASE"
             else f"{paper_base - paper[variant]:+.4f}",
@@ -559,28 +507,13 @@ def run_recipe(argv, *, benchmark: Benchmark, corpus, presets: dict, default_pre
     if extra_arguments:
         extra_arguments(parser)
     args = parser.parse_args(argv)
-    preset_name, preset = resolve_preset(args, presets)
+    preset_name, preset = resolve_preset(args, presets, heads_divide_width=True)
     specs = run_specs(args, preset)
 
-    import torch
+    from .runs import is_main_process, prepare_recipe
 
-    from .runs import is_main_process
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    output_dir = args.output_dir or os.path.join("runs", f"{benchmark.recipe}-{preset_name}")
-    os.makedirs(output_dir, exist_ok=True)
-
-    from .data import CorpusNotFoundError
-
-    from accelerate import PartialState
-
-    try:
-        # The main process writes the tokenizer files first; the others then read the same vocabulary.
-        with PartialState().main_process_first():
-            data = load_data(args, preset, os.path.join(output_dir, "tokenizer"))
-    except (CorpusNotFoundError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    output_dir, data = prepare_recipe(args, benchmark.recipe, preset_name, preset, load_data)
+    if data is None:
         return 2
     print(f"{benchmark.title}: {', '.join(f'{k} {v:,} tokens' for k, v in data.tokens.items())}; vocabulary "
           f"{len(data.tokenizer)}; preset {preset_name}; runs: {', '.join(s.name for s in specs)}", flush=True)

@@ -137,3 +137,41 @@ class HubOptions:
     hub_private_repo: bool | None = None
     hub_strategy: str = "every_save"
     extra: dict = field(default_factory=dict)
+
+
+def resolve_preset(args, presets: dict, *, heads_divide_width: bool = False) -> tuple[str, LMPreset]:
+    """The preset ``--preset`` names (``smoke`` with ``--smoke``) with the numbers given on the command line in place
+    of its own. Exits with an error for a size or count that is not positive, a dropout outside [0, 1) and, with
+    ``heads_divide_width``, a width that the number of heads does not divide."""
+    name = "smoke" if args.smoke else args.preset
+    preset = presets[name].replace(
+        **{key: getattr(args, key, None) for key in LMPreset.__dataclass_fields__
+           if key not in ("description", "variants", "seeds")})
+    if args.seeds:
+        preset = preset.replace(seeds=tuple(args.seeds))
+    for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "context_length", "batch_size",
+                "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps"):
+        if getattr(preset, key) <= 0:
+            raise SystemExit(f"error: --{key} must be positive, got {getattr(preset, key)}")
+    if heads_divide_width and preset.hidden_size % preset.num_attention_heads:
+        raise SystemExit(f"error: --hidden_size {preset.hidden_size} is not divisible by --num_attention_heads "
+                         f"{preset.num_attention_heads}")
+    if not 0 <= preset.dropout < 1:
+        raise SystemExit(f"error: --dropout must be in [0, 1), got {preset.dropout}")
+    return name, preset
+
+
+def add_output_arguments(parser, recipe: str = "<recipe>") -> None:
+    """The "output, checkpoints, Hub" options of the training recipes; ``recipe`` names the default folder."""
+    group = parser.add_argument_group("output, checkpoints, Hub")
+    group.add_argument("--output_dir", help=f"where runs are written (default: runs/{recipe}-<preset>)")
+    group.add_argument("--restart", action="store_true", help="discard existing checkpoints and results of the runs")
+    group.add_argument("--stop_after_steps", type=int,
+                       help="stop with a checkpoint after this many steps (resume by rerunning without it)")
+    group.add_argument("--keep_checkpoints", action="store_true", help="keep checkpoints after a run completes")
+    group.add_argument("--no_plots", action="store_true", help="skip the PNG figures")
+    group.add_argument("--push_to_hub", action="store_true", help="push each trained model (and checkpoints) to the Hub")
+    group.add_argument("--hub_model_id", help="repository name; with several runs the run name is appended")
+    group.add_argument("--hub_token", help="token with write access (default: the cached login)")
+    group.add_argument("--hub_private_repo", action="store_true", default=None, help="create private repositories")
+    group.add_argument("--hub_strategy", default="every_save", choices=["end", "every_save", "checkpoint", "all_checkpoints"])

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 import time
 
 import torch
@@ -43,6 +45,44 @@ def read_summary(run_dir: str) -> dict | None:
         return None
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
+
+
+def open_run_dir(output_dir: str, name: str, restart: bool) -> tuple[str, dict | None]:
+    """The folder of run ``name`` in ``output_dir`` (emptied first by the main process with ``restart``), and the
+    summary of the run when it is complete already (it is not trained again); else the folder is created, and None."""
+    run_dir = os.path.join(output_dir, name)
+    if restart and is_main_process() and os.path.isdir(run_dir):
+        shutil.rmtree(run_dir)
+    barrier()
+    done = read_summary(run_dir)
+    if done is not None:
+        print(f"[{name}] complete already ({run_dir}/summary.json); --restart trains it again", flush=True)
+        return run_dir, done
+    os.makedirs(run_dir, exist_ok=True)
+    return run_dir, None
+
+
+def prepare_recipe(args, recipe: str, preset_name: str, preset, load_data) -> tuple[str, object]:
+    """What a recipe does before its runs: torch's thread count (``--threads``), the output folder (``--output_dir``,
+    else ``runs/<recipe>-<preset>``) and ``load_data(args, preset, tokenizer_dir)``, run by the main process first
+    (it writes the tokenizer files; the others then read the same vocabulary). Returns the folder and the data; the
+    data is None when they cannot be read (the error is printed: the recipe exits with status 2)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    output_dir = args.output_dir or os.path.join("runs", f"{recipe}-{preset_name}")
+    os.makedirs(output_dir, exist_ok=True)
+
+    from accelerate import PartialState
+
+    from .data import CorpusNotFoundError
+
+    try:
+        with PartialState().main_process_first():
+            data = load_data(args, preset, os.path.join(output_dir, "tokenizer"))
+    except (CorpusNotFoundError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return output_dir, None
+    return output_dir, data
 
 
 def hub_repo_id(args, run_name: str, runs: int) -> str | None:

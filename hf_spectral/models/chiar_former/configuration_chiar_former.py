@@ -7,22 +7,20 @@ from transformers.activations import ACT2FN
 from transformers.utils import logging
 
 from ...ops.pooling import POOLING_MODES
-from ...ops.remote_code import save_pretrained_with_code
 from ...ops.random_features import RBF_VARIANTS
 from ...ops.routing import ROUTER_TYPES
 from ...ops.spectral import DCT_IMPLEMENTATIONS
 from ...ops.validation import (
+    CheckedConfigMixin,
     check_bool,
     check_choice,
     check_non_negative,
     check_positive,
     check_positive_int,
     check_probability,
-    take_field_overrides,
-    warn_about_loaded_keys,
 )
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger(__name__)  # also where `CheckedConfigMixin.from_dict` warns about loaded keys
 
 OPERATORS = ("dct", "rbf", "attention")
 LAYER_OPERATORS = OPERATORS + ("routed",)
@@ -44,7 +42,7 @@ _CACHE_LAYER_TYPES = {
 
 
 @strict
-class ChiarConfig(PreTrainedConfig):
+class ChiarConfig(CheckedConfigMixin, PreTrainedConfig):
     r"""
     Configuration of a CHIAR-Former. Defaults are the authors' small model (SPEC 2.3): 4 layers DCT / routed /
     routed / attention, d = 256, 4 heads, context 256, GPT-2 BPE vocabulary, post-LN, threshold routing between
@@ -299,25 +297,6 @@ class ChiarConfig(PreTrainedConfig):
                 f"{', '.join(changed)} would be ignored: {len(self.routed_operators)} routed operators "
                 f"({self.routed_operators}) are split by {used}"
             )
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' ``save_pretrained``, then the model code beside the config (``ops/remote_code.py``), so that
-        ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works where hf_spectral is not installed."""
-        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
-
-    def validate_field_values(self):
-        """`@strict` class validator: re-runs the checks on `save_pretrained`, so that a value assigned after
-        construction (`config.layer_norm_eps = float("nan")`) is refused before it reaches a config.json."""
-        self._validate()
-
-    @classmethod
-    def from_dict(cls, config_dict, **kwargs):
-        """transformers' `from_dict` (used by every `from_pretrained`), plus a warning naming the fields a loaded
-        config lacks (their defaults decide the computation) and the keys it has that are no field; overriding
-        fields (`from_pretrained(path, router_type="hard")`) are checked together with the file's values."""
-        config_dict = {**config_dict, **take_field_overrides(cls, kwargs)}
-        warn_about_loaded_keys(cls, config_dict, logger)
-        return super().from_dict(config_dict, **kwargs)
 
     @staticmethod
     def _check_thresholds(name: str, values) -> None:

@@ -7,18 +7,17 @@ from transformers.activations import ACT2FN
 from transformers.utils import logging
 
 from ...ops.pooling import POOLING_MODES
-from ...ops.remote_code import save_pretrained_with_code
 from ...ops.validation import (
+    CheckedConfigMixin,
     check_bool,
     check_choice,
+    check_energy_settings,
     check_finite,
     check_index_list,
     check_non_negative,
     check_positive,
     check_positive_int,
     check_probability,
-    take_field_overrides,
-    warn_about_loaded_keys,
 )
 
 logger = logging.get_logger(__name__)
@@ -44,7 +43,7 @@ VARIANTS = {
 
 
 @strict
-class EGAConfig(PreTrainedConfig):
+class EGAConfig(CheckedConfigMixin, PreTrainedConfig):
     r"""
     Configuration of an EGA-GPT model. Defaults are the authors' setup (SPEC 1.4): 6 layers, 8 heads,
     C = 256, context 256, 65 characters, dropout 0.1, init N(0, 0.02), EGA-1 gates in every layer.
@@ -173,50 +172,15 @@ class EGAConfig(PreTrainedConfig):
             check_index_list("energy_gate_layers", self.energy_gate_layers, self.num_hidden_layers)
 
         # Settings the chosen energy would ignore.
-        if self.energy_kind != "linear" and self.energy_projections != 1:
-            raise ValueError(
-                f"`energy_projections={self.energy_projections}` applies to linear energies (EGA-k) and would be "
-                f"ignored with `energy_kind={self.energy_kind!r}`; its scales are set by `energy_scales`"
-            )
-        if self.energy_scales is not None:
-            if self.energy_kind == "linear":
-                raise ValueError(
-                    f"`energy_scales={self.energy_scales!r}` applies to conv/morlet/db energies and would be ignored "
-                    "with `energy_kind='linear'`; use `energy_projections` for linear energies"
-                )
-            if not self.energy_scales or any(
-                not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in self.energy_scales
-            ):
-                raise ValueError(f"`energy_scales` must be a non-empty list of positive integers, got {self.energy_scales!r}")
-        if self.energy_kind != "morlet" and self.morlet_learnable is not True:
-            raise ValueError(
-                f"`morlet_learnable={self.morlet_learnable!r}` applies to Morlet energies and would be ignored with "
-                f"`energy_kind={self.energy_kind!r}`"
-            )
-        if self.energy_normalization == "none" and self.energy_norm_eps != DEFAULT_ENERGY_NORM_EPS:
-            raise ValueError(
-                f"`energy_norm_eps={self.energy_norm_eps!r}` bounds the std of the energy statistics and would be "
-                "ignored with `energy_normalization='none'`"
-            )
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' ``save_pretrained``, then the model code beside the config (``ops/remote_code.py``), so that
-        ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works where hf_spectral is not installed."""
-        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
-
-    def validate_field_values(self):
-        """`@strict` class validator: re-runs the checks on `save_pretrained`, so that a value assigned after
-        construction (`config.layer_norm_eps = float("nan")`) is refused before it reaches a config.json."""
-        self._validate()
-
-    @classmethod
-    def from_dict(cls, config_dict, **kwargs):
-        """transformers' `from_dict` (used by every `from_pretrained`), plus a warning naming the fields a loaded
-        config lacks (their defaults decide the computation) and the keys it has that are no field; overriding
-        fields (`from_pretrained(path, energy_kind="conv")`) are checked together with the file's values."""
-        config_dict = {**config_dict, **take_field_overrides(cls, kwargs)}
-        warn_about_loaded_keys(cls, config_dict, logger)
-        return super().from_dict(config_dict, **kwargs)
+        check_energy_settings(
+            self.energy_kind,
+            projections=("energy_projections", self.energy_projections),
+            scales=("energy_scales", self.energy_scales),
+            morlet_learnable=self.morlet_learnable,
+            normalization=("energy_normalization", self.energy_normalization),
+            eps=("energy_norm_eps", self.energy_norm_eps),
+            default_eps=DEFAULT_ENERGY_NORM_EPS,
+        )
 
     @property
     def gated_layers(self) -> list[int]:

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hf_spectral import EGAForCausalLM
-from tests.models.ega_gpt.test_modeling_ega_gpt import VOCAB, padded_batch, tiny_config
+from tests.helpers import gates_decoded_token_by_token
+from tests.models.ega_gpt.test_modeling_ega_gpt import VOCAB, padded_batch, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -15,13 +15,7 @@ FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 def cuda_model(variant="EGA-1", dtype=torch.float32, seed=0, **overrides):
     """Head size 16 (48 channels, 3 heads): a folded head of 17 channels, padded to 24 for the fused kernels."""
-    torch.manual_seed(seed)
-    config = tiny_config(variant, hidden_size=48, num_attention_heads=3, max_position_embeddings=1024, **overrides)
-    model = EGAForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith((".alpha", ".tau", ".mix_logits")):
-                parameter.normal_(0, 1.5)
+    model = tiny_model(variant, seed, hidden_size=48, num_attention_heads=3, max_position_embeddings=1024, **overrides)
     return model.to(device="cuda", dtype=dtype)
 
 
@@ -68,12 +62,8 @@ def test_bfloat16_statistics_stay_within_0_02_of_float32_on_cuda():
     ids = torch.randint(1, VOCAB, (2, 1024), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
         expected = reference(ids, output_gate_values=True).gate_values[0]
-        cache, gates = None, []
-        for t in range(1024):
-            out = low(ids[:, t : t + 1], cache=cache, use_cache=True, output_gate_values=True)
-            cache = out.cache
-            gates.append(out.gate_values[0].float())
-    assert (torch.cat(gates, -1) - expected).abs().max() < 0.02
+    gates, _ = gates_decoded_token_by_token(low, ids)
+    assert (gates - expected).abs().max() < 0.02
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -3,7 +3,13 @@ import torch
 
 from hf_spectral import EGAConfig, EGAForCausalLM, EGAForSequenceClassification, EGAModel
 from hf_spectral.evaluation import causal_lm_losses, leak_free_logits
-from tests.helpers import INDUCTOR_ISA_FORCED, INDUCTOR_SKIP_REASON, load_without_plugin, perturb_after
+from tests.helpers import (
+    INDUCTOR_ISA_FORCED,
+    INDUCTOR_SKIP_REASON,
+    gates_decoded_token_by_token,
+    load_without_plugin,
+    perturb_after,
+)
 
 VOCAB = 37
 KINDS = {
@@ -189,13 +195,9 @@ def test_a_bfloat16_model_decoding_1024_tokens_keeps_its_gates_within_0_02(varia
     ids = torch.randint(1, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference(ids, output_gate_values=True).gate_values[0]
-        cache, gates = None, []
-        for t in range(1024):
-            out = low(ids[:, t : t + 1], cache=cache, use_cache=True, output_gate_values=True)
-            cache = out.cache
-            gates.append(out.gate_values[0].float())
+    gates, cache = gates_decoded_token_by_token(low, ids)
     assert cache.layers[0].values.dtype == torch.bfloat16
-    assert (torch.cat(gates, -1) - expected).abs().max() < 0.02
+    assert (gates - expected).abs().max() < 0.02
 
 
 def test_lora_adapters_on_the_projections_take_effect():
