@@ -31,6 +31,9 @@ from torch import nn
 
 NORMALIZATIONS = ("causal", "window", "none")
 ENERGY_KINDS = ("linear", "conv", "morlet", "db2", "db4")
+DEFAULT_ENERGY_NORM_EPS = 1e-5
+DEFAULT_KERNEL_SIZES = (3, 7, 15, 31)  # EGA-C and EGA-M scales (SPEC 1.3)
+DEFAULT_DILATIONS = (1, 2, 4, 8)  # EGA-DB2 / EGA-DB4 dyadic dilations (SPEC 1.3)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -526,6 +529,9 @@ class EnergyGate(nn.Module):
 
 
 __all__ = [
+    "DEFAULT_DILATIONS",
+    "DEFAULT_ENERGY_NORM_EPS",
+    "DEFAULT_KERNEL_SIZES",
     "ENERGY_KINDS",
     "NORMALIZATIONS",
     "ConvEnergy",

@@ -6,13 +6,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from transformers.utils import logging
 
-from ..models.ega_gpt.configuration_ega_gpt import (
-    DEFAULT_DILATIONS,
-    DEFAULT_ENERGY_NORM_EPS,
-    DEFAULT_KERNEL_SIZES,
-    ENERGY_KINDS,
-    ENERGY_NORMALIZATIONS,
-)
+from ..ops.energy_gate import DEFAULT_DILATIONS, DEFAULT_ENERGY_NORM_EPS, DEFAULT_KERNEL_SIZES, ENERGY_KINDS
+from ..ops.energy_gate import NORMALIZATIONS as ENERGY_NORMALIZATIONS
 from ..ops.validation import (
     check_bool,
     check_choice,

@@ -6,6 +6,8 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
+from ...ops.energy_gate import DEFAULT_DILATIONS, DEFAULT_ENERGY_NORM_EPS, DEFAULT_KERNEL_SIZES, ENERGY_KINDS
+from ...ops.energy_gate import NORMALIZATIONS as ENERGY_NORMALIZATIONS
 from ...ops.pooling import POOLING_MODES
 from ...ops.validation import (
     CheckedConfigMixin,
@@ -22,11 +24,6 @@ from ...ops.validation import (
 
 logger = logging.get_logger(__name__)
 
-ENERGY_KINDS = ("linear", "conv", "morlet", "db2", "db4")
-ENERGY_NORMALIZATIONS = ("causal", "window", "none")
-DEFAULT_ENERGY_NORM_EPS = 1e-5
-DEFAULT_KERNEL_SIZES = (3, 7, 15, 31)  # EGA-C and EGA-M scales (SPEC 1.3)
-DEFAULT_DILATIONS = (1, 2, 4, 8)  # EGA-DB2 / EGA-DB4 dyadic dilations (SPEC 1.3)
 
 # The papers' ablations as config overrides (SPEC 1.3-1.4). "BASE" is the same class without gates.
 VARIANTS = {
