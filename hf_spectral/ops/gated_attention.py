@@ -73,11 +73,8 @@ def fold_bias_into_kv(
 
 def pad_query_for_bias(query: torch.Tensor, width: int, scaling: float) -> torch.Tensor:
     """q' = [q, 1/scaling, 0…] of ``width`` channels: the partner of ``fold_bias_into_kv``."""
-    head_dim = query.shape[-1]
-    parts = [query, query.new_full((), 1.0 / scaling).expand(*query.shape[:-1], 1)]
-    if width > head_dim + 1:
-        parts.append(query.new_zeros(()).expand(*query.shape[:-1], width - head_dim - 1))
-    return torch.cat(parts, dim=-1)
+    padded = nn.functional.pad(query, (0, 1), value=1.0 / scaling)
+    return padded if width == padded.shape[-1] else nn.functional.pad(padded, (0, width - padded.shape[-1]))
 
 
 def replace_folded_bias(key: torch.Tensor, bias: torch.Tensor, head_dim: int) -> torch.Tensor:

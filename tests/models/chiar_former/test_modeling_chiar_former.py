@@ -1,7 +1,6 @@
 """CHIAR-Former models: routing, sparse execution, causality, cache, generation, heads, save/load, FLOP counter."""
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from hf_spectral import ChiarConfig, ChiarForCausalLM, ChiarForSequenceClassific
 from hf_spectral.models.chiar_former import calibrate_thresholds, count_flops, modeling_chiar_former
 from hf_spectral.ops.routing import threshold_routes
 
-from ...helpers import assert_causal, load_without_plugin, perturb_after
+from ...helpers import INDUCTOR_ISA_FORCED, INDUCTOR_SKIP_REASON, assert_causal, load_without_plugin, perturb_after
 from .chiar_testing import CAUSAL_VARIANTS, PAD, VOCAB, build, random_ids, tiny_config
 
 ROUTED_SPARSE_VARIANTS = ["threshold-2", "threshold-3", "hard-2", "hard-3", "pre-ln-threshold-3", "fft-dct"]
@@ -456,9 +455,6 @@ def _with_backend(model, implementation, model_class=ChiarForCausalLM):
     return twin
 
 
-# Inductor's CPU flex_attention template calls vectorised helpers (at::vec::transpose_block, pack_vnni2) that do not
-# exist when ATen is limited to scalar code: with torch 2.13 the kernel fails to compile, whatever the model.
-FLEX_COMPILES_ON_THIS_CPU = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "default"
 
 
 @pytest.fixture
@@ -473,9 +469,7 @@ def fresh_compilation():
 
 @pytest.mark.parametrize("implementation", [
     "sdpa",
-    pytest.param("flex_attention", marks=pytest.mark.skipif(
-        not FLEX_COMPILES_ON_THIS_CPU, reason="Inductor's CPU flex_attention kernel needs a vector ISA "
-        "(ATEN_CPU_CAPABILITY=default makes its compilation fail in torch 2.13)")),
+    pytest.param("flex_attention", marks=pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)),
 ])
 @pytest.mark.parametrize("layer_operators", [None, ["attention", "routed"]], ids=["authors-layout", "dense-then-routed"])
 def test_eager_sdpa_and_flex_attention_agree(layer_operators, implementation, fresh_compilation):
@@ -571,8 +565,7 @@ def test_static_cache_without_a_mask_reads_only_the_filled_slots():
     torch.testing.assert_close(torch.cat(logits, 1), full, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not FLEX_COMPILES_ON_THIS_CPU, reason="Inductor's CPU flex_attention kernel needs a vector ISA "
-                    "(ATEN_CPU_CAPABILITY=default makes its compilation fail in torch 2.13)")
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
 def test_flex_attention_decoding_through_the_cache_equals_the_eager_forward(fresh_compilation):
     """Queries from the projections against keys from the cache (other memory layouts), padded rows, one token at a
     time: flex_attention's block masks of gathered and dense queries give the eager model's logits."""
