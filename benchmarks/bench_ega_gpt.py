@@ -39,12 +39,17 @@ SPEED_TARGET, MEMORY_TARGET = 0.95, 1.10
 
 # What the measurements showed when a target was missed (the gate's work that the baseline does not do).
 REASONS = {
-    "train": "the gate adds per-key energies, causal running moments (cumsum) and a log-sigmoid per head, and "
-    "under SDPA one more query/key channel (D + 1), whose copies (torch.cat) cost more than the gate's arithmetic "
-    "at this width",
-    "forward": "the gate's energies and moments, and the folded channel's copies (one per q, k, v)",
-    "generate": "per step and layer the gate runs ~20 small element-wise ops (moments, log-sigmoid, packing its "
-    "state into the cache) on tensors of a few hundred values: bound by op dispatch, not arithmetic",
+    "train": "under SDPA the gate is one more channel per head (D + 1), which torch's CPU flash kernel runs markedly "
+    "slower than D (the sdpa_kernel row: the kernel alone), plus the copies that fold it in (one per q, k, v) "
+    "and the gate's own work (per-key energies, running moments, a log-sigmoid per head)",
+    "forward": "the folded head (D + 1 channels, slower in torch's CPU flash kernel: the sdpa_kernel row), its "
+    "copies (one per q, k, v), and the gate's energies and moments",
+    "forward_flex_attention": "the gate's energies, running moments and log-sigmoid (under flex_attention the bias "
+    "is added in the score_mod: no extra channel, no copies)",
+    "generate": "a gated attention layer's decoding step dispatches 83 torch ops against the ungated layer's 12 (the "
+    "gate's energy projection, running-moment update and log-sigmoid, packing its state and folding it and the bias "
+    "into the cached keys and values; many are views and casts) on tensors of a few hundred values: bound by op "
+    "dispatch, not arithmetic",
     "memory": "the folded channel stores q, k and v once more (D + 1 channels) for the backward pass",
     "generate_flex_attention": "the gate's per-step ops as under SDPA; besides, on CPU both models compile "
     "flex_attention for static shapes (with dynamic ones torch 2.13's CPU flex template cannot build kernels reading "
@@ -67,9 +72,12 @@ def build(name: str, context: int, backend: str):
         )
         model = GPT2LMHeadModel(config)
     else:
-        variant = {"ega": "EGA-1", "ega_base": "BASE"}[name]
+        variant = {"ega": "EGA-1", "ega_base": "BASE", "ega_compiled_gate": "EGA-1"}[name]
         config = hf_spectral.EGAConfig.from_variant(variant, max_position_embeddings=context, attn_pdrop=0.0, **SIZE)
         model = hf_spectral.EGAForCausalLM(config)
+        if name == "ega_compiled_gate":  # torch's route for the gate's small ops: one compiled graph per gate call
+            for block in model.model.h:
+                block.attn.energy_gate.forward = torch.compile(block.attn.energy_gate.forward, dynamic=True)
     model.set_attn_implementation(backend)
     return model
 
@@ -114,6 +122,26 @@ def generate_fn(model, batch, prompt, new_tokens, cache_implementation, seed=0):
     return step
 
 
+def folded_kernel_fns(batch, length, seed=0):
+    """SDPA forward + backward, causal, at the model's head size D and at the folded D + 1 (the gate's channel under
+    SDPA): what the kernel alone charges for the folded head, apart from the gate's own work."""
+    heads = SIZE["num_attention_heads"]
+    head_dim = SIZE["hidden_size"] // heads
+    generator = torch.Generator().manual_seed(seed)
+
+    def fn(width):
+        q, k, v = (torch.randn(batch, heads, length, width, generator=generator, requires_grad=True) for _ in range(3))
+        grad = torch.randn(batch, heads, length, width, generator=generator)
+
+        def step():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+            q.grad = k.grad = v.grad = None
+
+        return step
+
+    return {f"head_{head_dim}": fn(head_dim), f"head_{head_dim + 1}": fn(head_dim + 1)}
+
+
 def peak_memory_child(name, batch, length, backend):
     """Peak RSS growth (MiB) of two training steps (the optimizer state exists from the second), in this process."""
     torch.manual_seed(0)
@@ -143,6 +171,72 @@ def verdict_line(label: str, ratio: float, baseline: str, backend: str = "sdpa")
     return f"{line} met" if met else f"{line} MISSED, {miss}: {REASONS[kind]}"
 
 
+def aggregate_runs(args):
+    """Run this benchmark ``args.runs`` times, each in a fresh process, and write one table of the judged ratio of
+    every (threads, backend, measurement, model): its median over the runs, its range and each run's value."""
+    import tempfile
+
+    from training.results import write_results
+
+    argv = sys.argv[1:]
+    at = argv.index("--runs")
+    child_argv = argv[:at] + argv[at + 2:]  # the same options, once per process
+    runs = []
+    with tempfile.TemporaryDirectory() as folder:
+        for run in range(args.runs):
+            out = os.path.join(folder, str(run))
+            subprocess.run([sys.executable, os.path.abspath(__file__), *child_argv, "--out", out], check=True)
+            (name,) = [f for f in os.listdir(out) if f.endswith(".json")]
+            with open(os.path.join(out, name)) as file:
+                runs.append(json.load(file))
+    judged = {}  # (threads, backend, measurement, model) -> ratio per run; 1 thread: CPU time, otherwise wall
+    for record in runs:
+        for row in record["rows"]:
+            key = (row["threads"], row["backend"], row["measurement"], row["model"])
+            cpu = row["threads"] == 1 or row["measurement"].startswith("peak")
+            judged.setdefault(key, []).append(row["ratio_vs_baseline" if cpu else "wall_ratio_vs_baseline"])
+    rows, verdicts = [], []
+    for (threads, backend, measurement, model), ratios in judged.items():
+        median = statistics.median(ratios)
+        rows.append({"threads": threads, "backend": backend, "measurement": measurement, "model": model,
+                     "median_ratio": median, "min_ratio": min(ratios), "max_ratio": max(ratios),
+                     "per_run": " / ".join(f"{r:.3f}" for r in ratios)})
+        spread = f"median of {len(ratios)} runs, range {min(ratios):.3f}-{max(ratios):.3f}"
+        baseline = "gpt2" if backend == "sdpa" else "ega_base"
+        if model == "ega":
+            verdicts.append(f"[{backend}, threads {threads}] " + verdict_line(measurement, median, baseline, backend)
+                            + f" ({spread})")
+        elif model == "ega_compiled_gate":
+            verdicts.append(f"[{backend}, threads {threads}] {measurement}: with the gate under torch.compile "
+                            f"(`ega_compiled_gate`, not the default path) {median:.3f}× {baseline} ({spread})")
+        elif measurement.startswith("sdpa_kernel") and model != f"head_{SIZE['hidden_size'] // SIZE['num_attention_heads']}":
+            verdicts.append(f"[{backend}, threads {threads}] {measurement} (no target): torch's SDPA kernel alone, "
+                            f"forward + backward, runs the folded {model} at {median:.3f}× the speed of the model's "
+                            f"head size ({spread})")
+    if "flex_attention" in args.backends:
+        verdicts.append("[flex_attention] training and its memory: not measured: torch's flex_attention has no "
+                        "backward pass on CPU")
+    notes = (
+        f"Each ratio is the median over {args.runs} runs of the benchmark, each in a fresh process (range and every "
+        "run's value beside it): the ratio judged in each run, from CPU time at 1 thread and from wall-clock time "
+        "with several threads, throughput(model) / throughput(baseline) (> 1 faster; memory: peak(model) / "
+        "peak(baseline), < 1 smaller). Baseline: GPT2LMHeadModel under sdpa; EGA-GPT without gates (`ega_base`) "
+        f"under flex_attention. Size: {json.dumps(SIZE)}; `ega` = EGA-1, causal statistics, every layer gated; "
+        "`ega_compiled_gate` = the same with each gate's forward under torch.compile (not the default path); "
+        "`head_32` / `head_33`: torch's SDPA kernel alone at the model's head size and at the folded one.\n\n"
+        "Targets for `ega`:\n" + "\n".join(f"- {v}" for v in verdicts)
+    )
+    first = runs[0]
+    write_results(
+        args.out, "ega_gpt_quick" if args.quick else "ega_gpt", rows,
+        title=f"EGA-GPT vs a GPT of the same size, same backend and cache: {args.runs} runs",
+        config={**first["config"], "runs": args.runs}, seeds=[0], notes=notes,
+        columns=["threads", "backend", "measurement", "model", "median_ratio", "min_ratio", "max_ratio", "per_run"],
+        extra={"hardware": first["hardware"]},  # the measuring processes' (their thread count), not this one's
+    )
+    print(notes)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer tokens and repeats")
@@ -153,9 +247,17 @@ def main():
                         "on a machine shared with other jobs)")
     parser.add_argument("--cache", default="dynamic", help="cache_implementation for generation (dynamic, static)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--compiled-gate", action="store_true",
+                        help="under sdpa, also measure EGA-1 with each gate's forward under torch.compile "
+                        "(`ega_compiled_gate`; the rest of the model eager)")
     parser.add_argument("--out", default="results/benchmarks")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="repeat the whole benchmark in this many fresh processes and report the median ratio "
+                        "and its range (ratios from one process can move by several points between processes)")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.runs > 1:
+        return aggregate_runs(args)
     default_threads = torch.get_num_threads()
     if args.memory_child:
         torch.set_num_threads(int(args.threads) or default_threads)
@@ -183,6 +285,8 @@ def main():
         for backend in args.backends.split(","):
             baseline = "gpt2" if backend == "sdpa" else "ega_base"
             names = ["gpt2", "ega_base", "ega"] if backend == "sdpa" else ["ega_base", "ega"]
+            if args.compiled_gate and backend == "sdpa":
+                names.insert(-1, "ega_compiled_gate")  # `ega` stays last: the verdicts read the last row
             torch.manual_seed(0)
             for label, setting in settings.items():
                 if backend == "flex_attention" and setting["kind"] == "train":
@@ -215,7 +319,29 @@ def main():
                 ratio = ega["ratio_vs_baseline"] if threads == 1 else ega["wall_ratio_vs_baseline"]
                 verdicts.append(f"[{backend}, threads {thread_label}] " + verdict_line(label, ratio, baseline, backend))
                 print(verdicts[-1], flush=True)
+                if "ega_compiled_gate" in fns:
+                    compiled = rows[-2]["ratio_vs_baseline" if threads == 1 else "wall_ratio_vs_baseline"]
+                    verdicts.append(f"[{backend}, threads {thread_label}] {label}: with the gate under torch.compile "
+                                    f"(`ega_compiled_gate`, not the default path) {compiled:.3f}× {baseline}")
+                    print(verdicts[-1], flush=True)
+            if backend == "sdpa":  # the folded head's cost in the kernel alone, at the training shape
+                setting = settings["train_T256"]
+                fns = folded_kernel_fns(setting["batch"], setting["length"])
+                times = time_alternating(fns, repeats)
+                plain, folded = fns
+                for name in fns:
+                    rows.append({
+                        "threads": thread_label, "backend": backend, "measurement": "sdpa_kernel_train_T256",
+                        "model": name, "ratio_vs_baseline": speed_ratio(times["cpu"], name, plain),
+                        "wall_ratio_vs_baseline": speed_ratio(times["wall"], name, plain),
+                    })
+                ratio = rows[-1]["ratio_vs_baseline" if threads == 1 else "wall_ratio_vs_baseline"]
+                verdicts.append(f"[{backend}, threads {thread_label}] sdpa_kernel_train_T256 (no target): torch's "
+                                f"SDPA kernel alone, forward + backward, runs the folded {folded} at {ratio:.3f}× the "
+                                f"speed of {plain}, the model's head size")
+                print(verdicts[-1], flush=True)
             if not args.no_memory and backend != "flex_attention":  # training memory: no flex backward on CPU
+                names = [n for n in names if n != "ega_compiled_gate"]
                 mem = {n: peak_memory(n, mem_setting["batch"], mem_setting["length"], backend, threads) for n in names}
                 for name in names:
                     rows.append({"threads": thread_label, "backend": backend, "measurement": "peak_train_memory_T1024",
