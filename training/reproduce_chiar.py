@@ -24,26 +24,15 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from .common.jobs import run_logged, stop_running
+
 BENCHMARKS = ("wikitext", "listops", "imdb")
 WIKITEXT_ARMS = ("attention", "threshold", "hard", "3op", "threshold@all", "hard@all", "3op@all", "dct")
 CLASSIFICATION_ARMS = ("attention", "threshold", "hard", "3op")
-RUNNING: set = set()
-STOPPING: list = []
-
-
-def stop_running(signum, frame):
-    """Pass SIGTERM / Ctrl-C on to the recipe processes (each checkpoints and exits) and stop."""
-    STOPPING.append(signum)
-    for process in list(RUNNING):
-        process.send_signal(signal.SIGTERM)
-    for process in list(RUNNING):
-        process.wait()
-    raise SystemExit(128 + signum)
 
 
 def arms_of(args, benchmark: str) -> list:
@@ -81,24 +70,10 @@ def complete(args, benchmark: str, seed: int) -> bool:
 def execute(args, benchmark: str, seed: int) -> tuple:
     if complete(args, benchmark, seed):
         return benchmark, seed, 0, 0.0
-    if STOPPING:
-        return benchmark, seed, None, 0.0
-    log_dir = os.path.join(args.output_dir, "logs")
-    os.makedirs(log_dir, exist_ok=True)
-    log_path = os.path.join(log_dir, f"{benchmark}-seed{seed}.log")
-    command = recipe_command(args, benchmark, seed)
-    started = time.time()
-    print(f"[{time.strftime('%H:%M:%S')}] start {benchmark} seed {seed}  (log: {log_path})", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or 1), "TQDM_MININTERVAL": "30"}
-    with open(log_path, "a", encoding="utf-8") as log:
-        log.write(f"\n$ {' '.join(command)}\n")
-        log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        RUNNING.add(process)
-        code = process.wait()
-        RUNNING.discard(process)
-    elapsed = time.time() - started
-    print(f"[{time.strftime('%H:%M:%S')}] done  {benchmark} seed {seed}: exit {code}, {elapsed / 60:.1f} min", flush=True)
+    log_path = os.path.join(args.output_dir, "logs", f"{benchmark}-seed{seed}.log")
+    code, elapsed = run_logged(
+        recipe_command(args, benchmark, seed), log_path, f"{benchmark} seed {seed}", str(args.threads or 1)
+    )
     return benchmark, seed, code, elapsed
 
 

@@ -28,29 +28,15 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from .common.jobs import run_logged, stop_running
+
 BENCHMARKS = ("tinyshakespeare", "ptb_char")
 MAIN_VARIANTS = ("BASE", "EGA-1:causal", "EGA-1:window")
 OTHER_VARIANTS = ("EGA-2", "EGA-4", "EGA-C", "EGA-M-F", "EGA-M", "EGA-DB2", "EGA-DB4")
-
-
-RUNNING = set()  # recipe processes in flight
-STOPPING = []  # set once a stop signal arrived: no new run starts
-
-
-def stop_running(signum, frame):
-    """Pass SIGTERM / Ctrl-C on to the recipe processes: each writes a checkpoint and exits; rerunning the
-    reproduction resumes them."""
-    STOPPING.append(signum)
-    for process in list(RUNNING):
-        process.send_signal(signal.SIGTERM)
-    for process in list(RUNNING):
-        process.wait()
-    raise SystemExit(128 + signum)
 
 
 def run_name(variant: str, seed: int) -> str:
@@ -96,26 +82,11 @@ def summary_path(args, benchmark: str, variant: str, seed: int) -> str:
 def execute(args, benchmark, variant, seed) -> tuple:
     if os.path.isfile(summary_path(args, benchmark, variant, seed)):
         return benchmark, variant, seed, 0, 0.0
-    if STOPPING:
-        return benchmark, variant, seed, None, 0.0
-    log_dir = os.path.join(args.output_dir, "logs")
-    os.makedirs(log_dir, exist_ok=True)
-    log_path = os.path.join(log_dir, f"{benchmark}-{run_name(variant, seed)}.log")
-    command = recipe_command(args, benchmark, variant, seed)
-    started = time.time()
-    print(f"[{time.strftime('%H:%M:%S')}] start {benchmark} {run_name(variant, seed)}  (log: {log_path})", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or os.environ.get("OMP_NUM_THREADS", "")) or "1",
-           "TQDM_MININTERVAL": "30"}
-    with open(log_path, "a", encoding="utf-8") as log:
-        log.write(f"\n$ {' '.join(command)}\n")
-        log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        RUNNING.add(process)
-        code = process.wait()
-        RUNNING.discard(process)
-    elapsed = time.time() - started
-    print(f"[{time.strftime('%H:%M:%S')}] done  {benchmark} {run_name(variant, seed)}: exit {code}, "
-          f"{elapsed / 60:.1f} min", flush=True)
+    log_path = os.path.join(args.output_dir, "logs", f"{benchmark}-{run_name(variant, seed)}.log")
+    threads = str(args.threads or os.environ.get("OMP_NUM_THREADS", "")) or "1"
+    code, elapsed = run_logged(
+        recipe_command(args, benchmark, variant, seed), log_path, f"{benchmark} {run_name(variant, seed)}", threads
+    )
     return benchmark, variant, seed, code, elapsed
 
 
