@@ -253,8 +253,8 @@ def daubechies_kernels(wavelet: str, dilations: list[int]) -> torch.Tensor:
         import pywt
     except ImportError as error:
         raise ImportError(
-            f"the {wavelet} energies (EGA-DB2 / EGA-DB4) need PyWavelets: pip install PyWavelets (or "
-            "\"hf_spectral[wavelets]\" where hf_spectral is installed)"
+            f"the {wavelet} energies (EGA-DB2 / EGA-DB4) need PyWavelets: pip install \"hf_spectral[wavelets]\" "
+            "(or pip install PyWavelets for a model loaded with trust_remote_code)"
         ) from error
     taps = torch.tensor(pywt.Wavelet(wavelet).dec_hi, dtype=torch.float64)
     length = (len(taps) - 1) * max(dilations) + 1
