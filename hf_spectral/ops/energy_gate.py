@@ -36,6 +36,16 @@ DEFAULT_KERNEL_SIZES = (3, 7, 15, 31)  # EGA-C and EGA-M scales (SPEC 1.3)
 DEFAULT_DILATIONS = (1, 2, 4, 8)  # EGA-DB2 / EGA-DB4 dyadic dilations (SPEC 1.3)
 
 
+def default_scales(kind: str) -> list[int] | None:
+    """The scales an energy kind uses unless configured: kernel lengths (conv, Morlet), dilations (Daubechies);
+    ``None`` for kinds without scales (linear) and unknown kinds (which the configs reject)."""
+    if kind in ("conv", "morlet"):
+        return list(DEFAULT_KERNEL_SIZES)
+    if kind in ("db2", "db4"):
+        return list(DEFAULT_DILATIONS)
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Statistics
 # ----------------------------------------------------------------------------------------------------------------
@@ -68,22 +78,24 @@ def causal_zscore(
     """
     length = energy.shape[-1]
     if weight is None:  # every position is a token: no masking, counts are 1, 2, … (what weights of 1 would give)
-        shift, count = energy[..., :1], torch.arange(1, length + 1, device=energy.device, dtype=energy.dtype)
+        count = torch.arange(1, length + 1, device=energy.device, dtype=energy.dtype) if length > 1 or past is None else 1
+        # After a past of tokens its mean is the reference (a past of padding only would have the defined mean 0).
+        shift = energy[..., :1] if past is None else past[1]
     else:
-        shift = energy.gather(-1, weight.argmax(-1, keepdim=True).expand(*energy.shape[:-1], 1))  # first token
         count = weight.cumsum(-1)
-    if past is not None:  # after a past, shift by its mean: the past then adds only its count and M2 (Chan's merge)
-        past_count, past_mean, past_m2 = past
-        shift = torch.where(past_count > 0, past_mean, shift)
+        shift = energy.gather(-1, weight.argmax(-1, keepdim=True).expand(*energy.shape[:-1], 1))  # first token
+        if past is not None:  # the past's mean once it holds a token
+            shift = torch.where(past[0] > 0, past[1], shift)
+    if past is not None:  # shifted by the past's mean, the past adds only its count and M2 (Chan's merge)
+        past_count, _, past_m2 = past
         count = past_count + count
     x = energy - shift if weight is None else (energy - shift) * weight
     s1, s2 = (x, x.square()) if length == 1 else (x.cumsum(-1), x.square().cumsum(-1))  # one step: no cumsum to run
-    running_mean = s1 / count.clamp(min=1)  # of the shifted values
-    m2 = s2 - s1 * running_mean if past is None else past_m2 + s2 - s1 * running_mean
-    m2 = m2.clamp(min=0)
+    running_mean = s1 / (count if weight is None else count.clamp(min=1))  # of the shifted values; count ≥ 1 unpadded
+    m2 = torch.addcmul(s2 if past is None else past_m2 + s2, s1, running_mean, value=-1).clamp(min=0)
     std = (m2 / (count - 1).clamp(min=1)).clamp(min=eps * eps).sqrt()
-    seen = count >= 2 if weight is None else (count >= 2) & (weight > 0)
-    z = (x - running_mean) / std * seen
+    # At a first token x equals its running mean exactly (x / 1), so z = 0 there without a test; padding is masked.
+    z = (x - running_mean) / std if weight is None else (x - running_mean) / std * (weight > 0)
     mean = shift + running_mean
     if weight is not None:  # no token yet: a defined state, whatever the chunking
         mean = torch.where(count > 0, mean, 0.0)
@@ -141,19 +153,18 @@ def log_gate_bias(
     Returns:
         bias: (B, H, T) float32, log g_j − log g(ẽ = 0). The subtracted per-head constant does not change the
             softmax; it makes the bias 0 when α = 0, and for a head whose α are all exactly 0 the bias is exactly 0
-            (its rounding residue is subtracted as a constant, so gradients still reach α): a fresh gate is an
-            exact identity on any CPU.
+            (one scale: both terms are logsigmoid(±0); several: the mixture's rounding residue is subtracted as a
+            constant, so gradients still reach α): a fresh gate is an exact identity on any CPU.
         gate: (B, H, T) the gate values g_j ∈ (0, 1).
     """
+    if z.shape[-2] == 1:  # one scale: the mixture is the gate itself, and α = 0 gives logsigmoid(±0) twice: bias 0
+        alpha, tau = alpha.float(), tau.float()  # (H, 1), broadcasting against (B, H, T)
+        log_gate = F.logsigmoid(alpha * (z[:, :, 0] - tau))
+        return log_gate - F.logsigmoid(alpha * -tau), log_gate.exp()
     alpha, tau = alpha.float()[..., None], tau.float()[..., None]  # (H, S, 1)
-    log_gate = F.logsigmoid(alpha * (z - tau))  # (B, H, S, T)
-    log_gate_at_mean = F.logsigmoid(alpha * -tau)  # (H, S, 1)
-    if z.shape[-2] == 1:  # one scale: the mixture is the gate itself
-        log_gate, log_gate_at_mean = log_gate[:, :, 0], log_gate_at_mean[:, 0]
-    else:
-        log_mix = torch.log_softmax(mix_logits.float(), dim=-1)[..., None]
-        log_gate = torch.logsumexp(log_mix + log_gate, dim=-2)
-        log_gate_at_mean = torch.logsumexp(log_mix + log_gate_at_mean, dim=-2)
+    log_mix = torch.log_softmax(mix_logits.float(), dim=-1)[..., None]
+    log_gate = torch.logsumexp(log_mix + F.logsigmoid(alpha * (z - tau)), dim=-2)  # (B, H, T)
+    log_gate_at_mean = torch.logsumexp(log_mix + F.logsigmoid(alpha * -tau), dim=-2)  # (H, 1)
     bias = log_gate - log_gate_at_mean
     identity = (alpha == 0).all(dim=-2)  # (H, 1): every scale of the head has α = 0
     return bias - bias.detach() * identity, log_gate.exp()
@@ -503,9 +514,9 @@ class EnergyGate(nn.Module):
         state = None
         if self.normalization == "causal":
             past = None
-            if past_length:
-                last = unpack_state(past_aux[:, :, -1, :width])  # (B, H, 1 + 2S) at the last cached key
-                past = (last[..., :1, None], last[..., 1 : 1 + self.num_scales, None], last[..., 1 + self.num_scales :, None])
+            if past_length:  # (count, mean, M2) at the last cached key, each (B, H, ·, 1)
+                last = unpack_state(past_aux[:, :, -1:, :width]).transpose(2, 3)
+                past = last.split([1, self.num_scales, self.num_scales], dim=2)
             z, count, mean, m2 = causal_zscore(energy, weight, past, self.eps)
             state = torch.cat([count, mean, m2], dim=2)
         elif self.normalization == "window":
@@ -544,6 +555,7 @@ __all__ = [
     "causal_filter",
     "causal_zscore",
     "daubechies_kernels",
+    "default_scales",
     "log_gate_bias",
     "morlet_kernels",
     "normalize_energy",

@@ -56,25 +56,30 @@ def fold_bias_into_kv(
 
     Args:
         key, value: (B, Hk, T, D).
-        bias: (B, Hk, T) per-key logit bias.
+        bias: (B, Hk, T) per-key logit bias; a longer one (window statistics re-bias every cached key) gives its
+            last T.
         aux: optional (B, Hk, T, P) per-key state the KV cache must remember (raw energies, filter history).
     """
     head_dim = key.shape[-1]
     extra = 0 if aux is None else aux.shape[-1]
     width = width or folded_head_size(head_dim, extra, key.device)
-    key_parts = [key, bias.to(key.dtype).unsqueeze(-1)]
-    if width > head_dim + 1:
-        key_parts.append(key.new_zeros(()).expand(*key.shape[:-1], width - head_dim - 1))
-    value_parts = [value] if aux is None else [value, aux.to(value.dtype)]
-    if width > head_dim + extra:
-        value_parts.append(value.new_zeros(()).expand(*value.shape[:-1], width - head_dim - extra))
-    return torch.cat(key_parts, dim=-1), torch.cat(value_parts, dim=-1)
+    if bias.shape[-1] != key.shape[-2]:
+        bias = bias[..., -key.shape[-2] :]
+    key = torch.cat([key, _zero_padded(bias.to(key.dtype).unsqueeze(-1), width - head_dim)], dim=-1)
+    if aux is None:
+        return key, _zero_padded(value, width)
+    return key, torch.cat([value, _zero_padded(aux.to(value.dtype), width - head_dim)], dim=-1)
+
+
+def _zero_padded(tensor: torch.Tensor, channels: int) -> torch.Tensor:
+    """``tensor`` with zero channels appended up to ``channels``."""
+    return tensor if tensor.shape[-1] == channels else nn.functional.pad(tensor, (0, channels - tensor.shape[-1]))
 
 
 def pad_query_for_bias(query: torch.Tensor, width: int, scaling: float) -> torch.Tensor:
-    """q' = [q, 1/scaling, 0…] of ``width`` channels: the partner of ``fold_bias_into_kv``."""
-    padded = nn.functional.pad(query, (0, 1), value=1.0 / scaling)
-    return padded if width == padded.shape[-1] else nn.functional.pad(padded, (0, width - padded.shape[-1]))
+    """q' = [q, 1/scaling, …] of ``width`` channels: the partner of ``fold_bias_into_kv``. The channels after the
+    bias channel meet the keys' zeros, so they can repeat 1/scaling: one padding op per call."""
+    return nn.functional.pad(query, (0, width - query.shape[-1]), value=1.0 / scaling)
 
 
 def replace_folded_bias(key: torch.Tensor, bias: torch.Tensor, head_dim: int) -> torch.Tensor:

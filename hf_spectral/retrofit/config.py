@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from transformers.utils import logging
 
-from ..ops.energy_gate import DEFAULT_DILATIONS, DEFAULT_ENERGY_NORM_EPS, DEFAULT_KERNEL_SIZES, ENERGY_KINDS
+from ..ops.energy_gate import DEFAULT_ENERGY_NORM_EPS, ENERGY_KINDS, default_scales
 from ..ops.energy_gate import NORMALIZATIONS as ENERGY_NORMALIZATIONS
 from ..ops.validation import (
     check_bool,
@@ -62,8 +62,8 @@ class EnergyGateConfig:
         check_finite("alpha_init", self.alpha_init)  # a NaN/inf slope breaks the identity at α = 0
         check_positive("eps", self.eps)
         check_bool("morlet_learnable", self.morlet_learnable)
-        if self.scales is None and self.energy_kind != "linear":
-            self.scales = list(DEFAULT_KERNEL_SIZES if self.energy_kind in ("conv", "morlet") else DEFAULT_DILATIONS)
+        if self.scales is None:
+            self.scales = default_scales(self.energy_kind)
         check_energy_settings(
             self.energy_kind,
             projections=("projections", self.projections),

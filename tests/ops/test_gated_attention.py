@@ -107,7 +107,8 @@ def test_folded_heads_are_padded_for_the_fused_cuda_kernels():
     key, value = fold_bias_into_kv(k, v, gate.log(), None, width=16)
     query = pad_query_for_bias(q, 16, 8**-0.5)
     assert query.shape[-1] == key.shape[-1] == value.shape[-1] == 16
-    assert torch.all(query[..., 9:] == 0) and torch.all(key[..., 9:] == 0) and torch.all(value[..., 8:] == 0)
+    # the query's channels after the bias channel meet the keys' zeros: their value does not enter the scores
+    assert torch.all(query[..., 8:] == 1 / 8**-0.5) and torch.all(key[..., 9:] == 0) and torch.all(value[..., 8:] == 0)
     scores = query @ key.repeat_interleave(2, 1).transpose(-1, -2) * 8**-0.5
     expected = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 8**-0.5 + gate.log().repeat_interleave(2, 1)[:, :, None]
     torch.testing.assert_close(scores, expected)

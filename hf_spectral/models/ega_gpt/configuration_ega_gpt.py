@@ -6,7 +6,7 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
-from ...ops.energy_gate import DEFAULT_DILATIONS, DEFAULT_ENERGY_NORM_EPS, DEFAULT_KERNEL_SIZES, ENERGY_KINDS
+from ...ops.energy_gate import DEFAULT_ENERGY_NORM_EPS, ENERGY_KINDS, default_scales
 from ...ops.energy_gate import NORMALIZATIONS as ENERGY_NORMALIZATIONS
 from ...ops.pooling import POOLING_MODES
 from ...ops.validation import (
@@ -128,10 +128,7 @@ class EGAConfig(CheckedConfigMixin, PreTrainedConfig):
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
         if self.energy_scales is None:
-            if self.energy_kind in ("conv", "morlet"):
-                self.energy_scales = list(DEFAULT_KERNEL_SIZES)
-            elif self.energy_kind in ("db2", "db4"):
-                self.energy_scales = list(DEFAULT_DILATIONS)
+            self.energy_scales = default_scales(self.energy_kind)
         self._validate()
         super().__post_init__(**kwargs)
         if self.energy_normalization == "window" and self.gated_layers:

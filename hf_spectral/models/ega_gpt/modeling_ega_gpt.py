@@ -173,7 +173,7 @@ class EGAAttention(nn.Module):
             bias, _, aux = self.energy_gate(hidden_states, token_mask, past_aux, return_aux=True)
             extra = 0 if aux is None else aux.shape[-1]
             width = folded_head_size(self.head_dim, extra, key.device)
-            key, value = fold_bias_into_kv(key, value, bias[..., -length:], aux, width)
+            key, value = fold_bias_into_kv(key, value, bias, aux, width)
             key, value = cache.update(key, value, self.layer_idx)
             if bias.shape[-1] != length:  # window statistics: every cached key's bias moved with the window
                 key = replace_folded_bias(key, bias, self.head_dim)
