@@ -13,6 +13,7 @@ from hf_spectral.ops.energy_gate import (
     causal_filter,
     causal_zscore,
     daubechies_kernels,
+    default_scales,
     log_gate_bias,
     morlet_kernels,
     normalize_energy,
@@ -127,12 +128,13 @@ def test_gate_bias_is_exactly_zero_when_alpha_is_zero():
     assert torch.all(gate == 0.5)
 
 
-def test_gate_bias_is_exactly_zero_for_heads_whose_alpha_is_zero_and_still_has_gradients():
-    z = torch.randn(2, 3, 2, 5) * 10
-    alpha = torch.zeros(3, 2)
+@pytest.mark.parametrize("scales", [1, 2])  # one scale: no mixture; several: the mixture's residue is subtracted
+def test_gate_bias_is_exactly_zero_for_heads_whose_alpha_is_zero_and_still_has_gradients(scales):
+    z = torch.randn(2, 3, scales, 5) * 10
+    alpha = torch.zeros(3, scales)
     alpha[2] = 1.0  # the last head is gated
     alpha.requires_grad_()
-    bias, _ = log_gate_bias(z, torch.randn(3, 2), alpha, torch.randn(3, 2))
+    bias, _ = log_gate_bias(z, torch.randn(3, scales), alpha, torch.randn(3, scales))
     assert torch.all(bias[:, :2] == 0) and torch.all(bias[:, 2] != 0)
     (bias * torch.randn_like(bias)).sum().backward()
     assert torch.all(alpha.grad[:2] != 0)  # the exact zero does not cut α off from training
@@ -192,6 +194,18 @@ def test_daubechies_kernels_are_dilated_pywavelets_high_pass_taps():
         expected = np.zeros(kernels.shape[1])
         expected[: (len(taps) - 1) * dilation + 1 : dilation] = taps
         np.testing.assert_allclose(kernels[row].numpy(), expected, rtol=1e-6)
+
+
+def test_default_scales_per_energy_kind_and_both_configs_use_them():
+    from hf_spectral import EGAConfig
+    from hf_spectral.retrofit import EnergyGateConfig
+
+    assert default_scales("conv") == default_scales("morlet") == [3, 7, 15, 31]  # kernel lengths (SPEC 1.3)
+    assert default_scales("db2") == default_scales("db4") == [1, 2, 4, 8]  # dyadic dilations
+    assert default_scales("linear") is None and default_scales("nonsense") is None
+    for kind in ("linear", "conv", "morlet", "db2", "db4"):
+        assert EGAConfig(energy_kind=kind).energy_scales == default_scales(kind)
+        assert EnergyGateConfig(energy_kind=kind).scales == default_scales(kind)
 
 
 def test_ega1_has_260_parameters_per_head_at_c256():
