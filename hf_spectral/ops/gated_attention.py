@@ -7,7 +7,7 @@ backend of ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` gets the bias in the fo
 * ``flex_attention``: a ``score_mod`` adds ``bias[b, h, kv_idx]`` (no extra channel), with transformers' compiled
   flex kernel and the ``BlockMask`` its mask interface builds;
 * ``sdpa`` (and any other backend): the bias is *folded* into one more channel of queries and keys,
-  q' = [q, 1/scale, 0…], k' = [k, bias, 0…], v' = [v, 0…], so that q'·k'·scale = q·k·scale + bias and the fused
+  q' = [q, 1/scale, …], k' = [k, bias, 0…], v' = [v, 0…], so that q'·k'·scale = q·k·scale + bias and the fused
   causal kernel stays in use. On CUDA the folded head is padded to a multiple of 8 channels, the shape the flash
   and memory-efficient kernels accept, so SDPA never falls back to its math kernel.
 
