@@ -22,6 +22,7 @@ target is reported with its shortfall and the reason found for it.
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -32,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import peak_rss_growth_mib, speed_ratio, time_alternating  # noqa: E402
+from benchmarks.timing import folded_head_kernels, peak_rss_growth_mib, speed_ratio, time_alternating  # noqa: E402
 
 SIZE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, vocab_size=65)
 SPEED_TARGET, MEMORY_TARGET = 0.95, 1.10
@@ -58,6 +59,7 @@ REASONS = {
 }
 
 
+@functools.cache
 def decode_step_op_counts() -> dict:
     """The torch ops one attention layer dispatches for a cached decoding step (batch 1, 64 cached keys, SDPA),
     gated (EGA-1) and ungated: the gate's per-step work, counted rather than timed."""
@@ -154,26 +156,6 @@ def generate_fn(model, batch, prompt, new_tokens, cache_implementation, seed=0):
     return step
 
 
-def folded_kernel_fns(batch, length, seed=0):
-    """SDPA forward + backward, causal, at the model's head size D and at the folded D + 1 (the gate's channel under
-    SDPA): what the kernel alone charges for the folded head, apart from the gate's own work."""
-    heads = SIZE["num_attention_heads"]
-    head_dim = SIZE["hidden_size"] // heads
-    generator = torch.Generator().manual_seed(seed)
-
-    def fn(width):
-        q, k, v = (torch.randn(batch, heads, length, width, generator=generator, requires_grad=True) for _ in range(3))
-        grad = torch.randn(batch, heads, length, width, generator=generator)
-
-        def step():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-            q.grad = k.grad = v.grad = None
-
-        return step
-
-    return {f"head_{head_dim}": fn(head_dim), f"head_{head_dim + 1}": fn(head_dim + 1)}
-
-
 def peak_memory_child(name, batch, length, backend):
     """Peak RSS growth (MiB) of two training steps (the optimizer state exists from the second), in this process."""
     torch.manual_seed(0)
@@ -204,6 +186,16 @@ def verdict_line(label: str, ratio: float, baseline: str, backend: str = "sdpa")
     return f"{line} met" if met else f"{line} MISSED, {miss}: {reason}"
 
 
+def compiled_gate_line(label: str, ratio: float, baseline: str) -> str:
+    return (f"{label}: with the gate under torch.compile (`ega_compiled_gate`, not the default path) "
+            f"{ratio:.3f}× {baseline}")
+
+
+def folded_kernel_line(label: str, folded: str, ratio: float, plain: str) -> str:
+    return (f"{label} (no target): torch's SDPA kernel alone, forward + backward, runs the folded {folded} at "
+            f"{ratio:.3f}× the speed of {plain}, the model's head size")
+
+
 def aggregate_runs(args):
     """Run this benchmark ``args.runs`` times, each in a fresh process, and write one table of the judged ratio of
     every (threads, backend, measurement, model): its median over the runs, its range and each run's value."""
@@ -229,6 +221,7 @@ def aggregate_runs(args):
             cpu = row["threads"] == 1 or row["measurement"].startswith("peak")
             judged.setdefault(key, []).append(row["ratio_vs_baseline" if cpu else "wall_ratio_vs_baseline"])
     rows, verdicts = [], []
+    plain_head = f"head_{SIZE['hidden_size'] // SIZE['num_attention_heads']}"
     for (threads, backend, measurement, model), ratios in judged.items():
         median = statistics.median(ratios)
         rows.append({"threads": threads, "backend": backend, "measurement": measurement, "model": model,
@@ -240,12 +233,11 @@ def aggregate_runs(args):
             verdicts.append(f"[{backend}, threads {threads}] " + verdict_line(measurement, median, baseline, backend)
                             + f" ({spread})")
         elif model == "ega_compiled_gate":
-            verdicts.append(f"[{backend}, threads {threads}] {measurement}: with the gate under torch.compile "
-                            f"(`ega_compiled_gate`, not the default path) {median:.3f}× {baseline} ({spread})")
-        elif measurement.startswith("sdpa_kernel") and model != f"head_{SIZE['hidden_size'] // SIZE['num_attention_heads']}":
-            verdicts.append(f"[{backend}, threads {threads}] {measurement} (no target): torch's SDPA kernel alone, "
-                            f"forward + backward, runs the folded {model} at {median:.3f}× the speed of the model's "
-                            f"head size ({spread})")
+            verdicts.append(f"[{backend}, threads {threads}] {compiled_gate_line(measurement, median, baseline)} "
+                            f"({spread})")
+        elif measurement.startswith("sdpa_kernel") and model != plain_head:
+            verdicts.append(f"[{backend}, threads {threads}] "
+                            f"{folded_kernel_line(measurement, model, median, plain_head)} ({spread})")
     if "flex_attention" in args.backends:
         verdicts.append("[flex_attention] training and its memory: not measured: torch's flex_attention has no "
                         "backward pass on CPU")
@@ -354,12 +346,14 @@ def main():
                 print(verdicts[-1], flush=True)
                 if "ega_compiled_gate" in fns:
                     compiled = rows[-2]["ratio_vs_baseline" if threads == 1 else "wall_ratio_vs_baseline"]
-                    verdicts.append(f"[{backend}, threads {thread_label}] {label}: with the gate under torch.compile "
-                                    f"(`ega_compiled_gate`, not the default path) {compiled:.3f}× {baseline}")
+                    verdicts.append(f"[{backend}, threads {thread_label}] "
+                                    + compiled_gate_line(label, compiled, baseline))
                     print(verdicts[-1], flush=True)
             if backend == "sdpa":  # the folded head's cost in the kernel alone, at the training shape
                 setting = settings["train_T256"]
-                fns = folded_kernel_fns(setting["batch"], setting["length"])
+                heads = SIZE["num_attention_heads"]
+                fns = folded_head_kernels(setting["batch"], heads, setting["length"], SIZE["hidden_size"] // heads,
+                                          backward=True)
                 times = time_alternating(fns, repeats)
                 plain, folded = fns
                 for name in fns:
@@ -369,9 +363,8 @@ def main():
                         "wall_ratio_vs_baseline": speed_ratio(times["wall"], name, plain),
                     })
                 ratio = rows[-1]["ratio_vs_baseline" if threads == 1 else "wall_ratio_vs_baseline"]
-                verdicts.append(f"[{backend}, threads {thread_label}] sdpa_kernel_train_T256 (no target): torch's "
-                                f"SDPA kernel alone, forward + backward, runs the folded {folded} at {ratio:.3f}× the "
-                                f"speed of {plain}, the model's head size")
+                verdicts.append(f"[{backend}, threads {thread_label}] "
+                                + folded_kernel_line("sdpa_kernel_train_T256", folded, ratio, plain))
                 print(verdicts[-1], flush=True)
             if not args.no_memory and backend != "flex_attention":  # training memory: no flex backward on CPU
                 names = [n for n in names if n != "ega_compiled_gate"]

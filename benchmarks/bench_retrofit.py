@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import speed_ratio, time_alternating  # noqa: E402
+from benchmarks.timing import folded_head_kernels, speed_ratio, time_alternating  # noqa: E402
 
 
 def main(argv=None):
@@ -79,13 +79,7 @@ def main(argv=None):
 
     # The folded head's cost in torch's SDPA kernel alone (inference, causal, the forward's shape): D vs D + 1.
     head_dim = config.n_embd // config.n_head
-    generator = torch.Generator().manual_seed(0)
-
-    def kernel(width):
-        q, k, v = (torch.randn(batch, config.n_head, length, width, generator=generator) for _ in range(3))
-        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    kernels = {f"head_{head_dim}": kernel(head_dim), f"head_{head_dim + 1}": kernel(head_dim + 1)}
+    kernels = folded_head_kernels(batch, config.n_head, length, head_dim, backward=False)
     times = time_alternating(kernels, repeats)
     for name in kernels:
         rows.append({

@@ -36,6 +36,29 @@ def speed_ratio(times: dict, name: str, baseline: str) -> float:
     return statistics.median(times[baseline]) / statistics.median(times[name])
 
 
+def folded_head_kernels(batch: int, heads: int, length: int, head_dim: int, backward: bool, seed: int = 0) -> dict:
+    """torch's causal SDPA kernel alone at a model's head size D and at the folded D + 1 (the energy gate's channel
+    under SDPA): ``{"head_D": step, "head_D+1": step}``, each a forward, or a forward and backward, on random inputs."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def kernel(width):
+        shape = (batch, heads, length, width)
+        q, k, v = (torch.randn(shape, generator=generator, requires_grad=backward) for _ in range(3))
+        if not backward:
+            return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grad = torch.randn(shape, generator=generator)
+
+        def step():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+            q.grad = k.grad = v.grad = None
+
+        return step
+
+    return {f"head_{head_dim}": kernel(head_dim), f"head_{head_dim + 1}": kernel(head_dim + 1)}
+
+
 def peak_rss_growth_mib(step) -> float:
     """Peak resident-memory growth (MiB) of running ``step()`` twice; call in a fresh process for a clean figure."""
     import os

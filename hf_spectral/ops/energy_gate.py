@@ -77,17 +77,17 @@ def causal_zscore(
         a later step continues from. All float32.
     """
     length = energy.shape[-1]
+    past_count, past_mean, past_m2 = past if past is not None else (None, None, None)
     if weight is None:  # every position is a token: no masking, counts are 1, 2, … (what weights of 1 would give)
         count = torch.arange(1, length + 1, device=energy.device, dtype=energy.dtype) if length > 1 or past is None else 1
         # After a past of tokens its mean is the reference (a past of padding only would have the defined mean 0).
-        shift = energy[..., :1] if past is None else past[1]
+        shift = energy[..., :1] if past is None else past_mean
     else:
         count = weight.cumsum(-1)
         shift = energy.gather(-1, weight.argmax(-1, keepdim=True).expand(*energy.shape[:-1], 1))  # first token
         if past is not None:  # the past's mean once it holds a token
-            shift = torch.where(past[0] > 0, past[1], shift)
+            shift = torch.where(past_count > 0, past_mean, shift)
     if past is not None:  # shifted by the past's mean, the past adds only its count and M2 (Chan's merge)
-        past_count, _, past_m2 = past
         count = past_count + count
     x = energy - shift if weight is None else (energy - shift) * weight
     s1, s2 = (x, x.square()) if length == 1 else (x.cumsum(-1), x.square().cumsum(-1))  # one step: no cumsum to run

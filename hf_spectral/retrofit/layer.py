@@ -31,7 +31,6 @@ from ..ops.gated_attention import (
     cached_gate_state,
     fold_bias_into_kv,
     folded_attention,
-    folded_head_size,
     replace_folded_bias,
 )
 
@@ -107,9 +106,7 @@ class GatedKVCache:
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         new_keys = key.shape[2]
-        extra = 0 if self.state is None else self.state.shape[-1]
-        width = folded_head_size(self.head_dim, extra, key.device)
-        key, value = fold_bias_into_kv(key, value, self.bias, self.state, width)
+        key, value = fold_bias_into_kv(key, value, self.bias, self.state)
         key, value = self.cache.update(key, value, layer_idx, *args, **kwargs)
         if self.bias.shape[-1] != new_keys:  # window statistics: every cached key's bias moved with the window
             key = replace_folded_bias(key, self.bias, self.head_dim)

@@ -42,7 +42,6 @@ from ...ops.gated_attention import (
     flex_attention_with_key_bias,
     fold_bias_into_kv,
     folded_attention,
-    folded_head_size,
     implementation_for_call,
     replace_folded_bias,
 )
@@ -171,9 +170,7 @@ class EGAAttention(nn.Module):
             # The cache stores each key folded with its bias and the gate state later steps continue from.
             past_aux = cached_gate_state(cache, self.layer_idx, self.head_dim)
             bias, _, aux = self.energy_gate(hidden_states, token_mask, past_aux, return_aux=True)
-            extra = 0 if aux is None else aux.shape[-1]
-            width = folded_head_size(self.head_dim, extra, key.device)
-            key, value = fold_bias_into_kv(key, value, bias, aux, width)
+            key, value = fold_bias_into_kv(key, value, bias, aux)
             key, value = cache.update(key, value, self.layer_idx)
             if bias.shape[-1] != length:  # window statistics: every cached key's bias moved with the window
                 key = replace_folded_bias(key, bias, self.head_dim)
