@@ -197,11 +197,13 @@ def unpack_state(channels: torch.Tensor) -> torch.Tensor:
     return channels.float()
 
 
-def padding_mask(mask, length: int | None = None) -> torch.Tensor | None:
+def padding_mask(mask, length: int | torch.Tensor | None = None) -> torch.Tensor | None:
     """The (batch, past + new) bool padding mask (True at tokens) behind an ``attention_mask``: a 2D mask as given;
     a 4D mask (batch, 1, queries, keys), bool or additive, read from its last query row, which sees every earlier
-    token: its first ``length`` columns, or up to the last column that row sees; a dict of masks (one per layer
-    type) through its first entry; ``None`` for anything else, and for a CPU mask without padding.
+    token: its first ``length`` columns, or all of them (``length`` ``None``, or a tensor on a device or inside a
+    compiled graph: a ``StaticCache``'s length, which cannot be read without a synchronisation; its columns past
+    the new positions are then False); a dict of masks (one per layer type) through its first entry; ``None`` for
+    anything else, and for a CPU mask without padding.
 
     Without padding the gates skip their masking (about ten element-wise ops per layer, which bound a decoding step
     on CPU). Like transformers' own SDPA mask, the check runs only outside compiled graphs, and only on CPU, where
@@ -210,13 +212,17 @@ def padding_mask(mask, length: int | None = None) -> torch.Tensor | None:
         mask = next((m for m in mask.values() if m is not None), None)
     if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 4):
         return None
+    host_reads_are_free = mask.device.type == "cpu" and not torch.compiler.is_compiling()
     if mask.ndim == 2:
         tokens = mask.bool()
     else:
         seen = mask[:, 0, -1]
-        seen = seen if seen.dtype == torch.bool else seen == 0
-        tokens = seen[:, : int(seen.any(0).nonzero().max()) + 1 if length is None else length]
-    if tokens.device.type == "cpu" and not torch.compiler.is_compiling() and bool(tokens.all()):
+        tokens = seen if seen.dtype == torch.bool else seen == 0
+        if isinstance(length, torch.Tensor) and host_reads_are_free:
+            length = int(length)
+        if isinstance(length, int):
+            tokens = tokens[:, :length]
+    if host_reads_are_free and bool(tokens.all()):
         return None
     return tokens
 
@@ -471,6 +477,12 @@ class EnergyGate(nn.Module):
         the window is recomputed from (window), nothing (none)."""
         return {"causal": 1 + 2 * self.num_scales, "window": self.num_scales, "none": 0}[self.normalization]
 
+    @property
+    def cached_positions(self) -> int | None:
+        """How many of the latest cached keys' ``aux`` a call needs: the last one's running moments and the filter
+        history (causal, none), or every key (``None``: window statistics normalise the whole past again)."""
+        return None if self.normalization == "window" else max(1, self.energy.history)
+
     def aux_width(self, dtype: torch.dtype) -> int:
         """Channels of ``dtype`` per key that a KV cache carries for this gate: packed state, then features."""
         return state_channels(self.state_floats, dtype) + self.energy.feature_width
@@ -486,8 +498,12 @@ class EnergyGate(nn.Module):
 
         Args:
             x: (B, T, C) the attention layer's (normalised) input for the new positions.
-            valid: (B, T_past + T) bool, False at padding, or ``None``.
-            past_aux: (B, H, T_past, aux_width) what earlier calls returned as ``aux`` (from the KV cache).
+            valid: (B, T_past + T) bool, False at padding, or ``None``: the cached keys of ``past_aux``, then the
+                new positions.
+            past_aux: (B, H, T_past, aux_width) what earlier calls returned as ``aux`` for the latest cached keys
+                (from the KV cache): at least the last ``cached_positions`` of them, or all. Positions before the
+                first key may be read as zeros (a ``StaticCache``, whose length stays on the device): a count of 0,
+                silence for the filters, False in ``valid``.
             return_aux: also return the per-key state of the new positions for the cache.
 
         Returns:

@@ -13,8 +13,9 @@ backend of ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` gets the bias in the fo
 
 The KV cache stores keys and values folded: each key keeps its bias in channel ``head_dim`` and the gate's
 per-key state (``EnergyGate`` ``aux``) in the value channels after ``head_dim`` (their attention outputs are
-discarded). Beam search, cropping, left padding and ``StaticCache`` then need nothing special; a cache that drops
-or alters keys (sliding window past its window, quantisation) is refused by ``cached_length``.
+discarded). Beam search, cropping, left padding and ``StaticCache`` then need nothing special (a ``StaticCache``'s
+length stays on the device: ``cached_gate_state`` gathers at it); a cache that drops or alters keys (sliding window
+past its window, quantisation) is refused by ``cached_length``.
 
 Shapes: B batch, H query heads, Hk key/value heads (grouped-query attention when H > Hk), T positions, D head size.
 """
@@ -126,16 +127,40 @@ def cached_length(layer) -> int:
     )
 
 
-def cached_gate_state(cache, layer_idx: int, head_dim: int) -> torch.Tensor | None:
-    """The per-key gate state a layer's KV cache holds after the first ``head_dim`` value channels, for the keys
-    cached so far, or ``None`` before the first (or without a cache)."""
-    if cache is None or layer_idx >= len(cache.layers):
-        return None
-    layer = cache.layers[layer_idx]
-    past_length = cached_length(layer)
-    if past_length == 0:
-        return None
-    return layer.values[:, :, :past_length, head_dim:]
+def cached_gate_state(
+    cache, layer_idx: int, head_dim: int, token_mask: torch.Tensor | None, length: int, positions: int | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What an ``EnergyGate`` call on ``length`` new positions reads: ``(past_aux, valid)``.
+
+    ``past_aux`` is the per-key gate state a layer's KV cache holds after the first ``head_dim`` value channels, for
+    the last ``positions`` cached keys (all of them for ``None``), (B, Hk, P, ·), or ``None`` before the first key
+    (or without a cache); ``valid`` is the padding mask of those keys and the new positions, (B, P + length), cut
+    from ``token_mask`` (B, ≥ cached + new), or ``None`` without one.
+
+    A ``StaticCache`` keeps its length on the device: its last keys are gathered at tensor positions, so a decoding
+    step never waits for the device (and compiles without a graph break). Positions before its first key read as
+    zeros: a count of 0, silence for the filters, not a token (``valid`` is then always given, so that the gate's
+    statistics treat a count of 0 as no past). Reading every key (``positions=None``) needs the length on the host.
+    """
+    layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
+    if layer is None or (type(layer) is StaticLayer and not layer.is_initialized):
+        return None, None if token_mask is None else token_mask[:, :length]
+    if type(layer) is StaticLayer and positions is not None:
+        cached = layer.get_seq_length()
+        slots = cached - positions + torch.arange(positions, device=cached.device)
+        inside = torch.cat([slots >= 0, torch.ones(length, dtype=torch.bool, device=cached.device)])
+        past = layer.values[:, :, :, head_dim:].index_select(2, slots.clamp(min=0))
+        past = past.masked_fill(~inside[:positions, None], 0)  # a select, not arithmetic: packed float32 bits survive
+        if token_mask is None:
+            return past, inside.expand(past.shape[0], -1)
+        columns = torch.cat([slots.clamp(min=0), cached + torch.arange(length, device=cached.device)])
+        return past, token_mask[:, columns] & inside
+    cached = cached_length(layer)
+    if cached == 0:
+        return None, None if token_mask is None else token_mask[:, :length]
+    read = cached if positions is None else min(cached, positions)
+    valid = None if token_mask is None else token_mask[:, cached - read : cached + length]
+    return layer.values[:, :, cached - read : cached, head_dim:], valid
 
 
 # ----------------------------------------------------------------------------------------------------------------

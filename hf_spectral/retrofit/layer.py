@@ -133,10 +133,11 @@ class EnergyGatedAttentionMixin:
             args, kwargs = (), {**extra, **bound.arguments}
         hidden_states = args[0] if args else kwargs["hidden_states"]
         cache = kwargs.get("cache")
-        past_state = cached_gate_state(cache, self.layer_idx, self.head_dim)
-        bias, _, state = self.energy_gate(
-            hidden_states, valid=self.energy_gate_token_mask, past_aux=past_state, return_aux=cache is not None
+        past_state, valid = cached_gate_state(
+            cache, self.layer_idx, self.head_dim, self.energy_gate_token_mask, hidden_states.shape[1],
+            self.energy_gate.cached_positions,
         )
+        bias, _, state = self.energy_gate(hidden_states, valid=valid, past_aux=past_state, return_aux=cache is not None)
         if self.energy_gate_heads is not None:  # ungated heads get a zero bias, i.e. their stock attention
             keep = torch.zeros(bias.shape[1], device=bias.device, dtype=bias.dtype)
             keep[self.energy_gate_heads] = 1

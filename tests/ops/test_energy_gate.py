@@ -162,6 +162,11 @@ def test_padding_mask_reads_2d_and_4d_masks():
     # no padding: nothing for the gates to mask (on CPU, outside compiled graphs)
     assert padding_mask(torch.ones(2, 4, dtype=torch.long)) is None
     assert padding_mask(causal[None, None].expand(2, 1, 4, 4), 4) is None
+    # a StaticCache's 4D mask is wider than what it has filled; without a host-side length (on a device, or inside
+    # a compiled graph) the whole row comes back, False after the last new position
+    wide = torch.nn.functional.pad(four_d, (0, 3))
+    assert torch.equal(padding_mask(wide), torch.nn.functional.pad(mask.bool(), (0, 3)))
+    assert torch.equal(padding_mask(wide, torch.tensor(4)), mask.bool())  # a CPU tensor is read: free on the host
 
 
 def test_causal_filter_matches_direct_convolution():

@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, St
 from tests.helpers import INDUCTOR_ISA_FORCED, INDUCTOR_SKIP_REASON
 from hf_spectral.ops.gated_attention import (
     attention_with_key_bias,
+    cached_gate_state,
     cached_length,
     fold_bias_into_kv,
     folded_attention,
@@ -141,6 +142,42 @@ def test_caches_that_drop_or_alter_keys_are_refused():
 
     with pytest.raises(ValueError, match="needs every key kept as written"):
         cached_length(OtherLayer())
+
+
+def test_gate_state_is_read_alike_from_dynamic_and_static_caches():
+    """The last ``positions`` keys' state after the head's channels and the padding mask of those keys and the new
+    ones; a StaticCache's are gathered at its on-device length, positions before its first key read as zeros and
+    not as tokens."""
+
+    class Cache:
+        def __init__(self, layer):
+            self.layers = [layer]
+
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 3, 4, 6, generator=generator)
+    values = torch.randn(2, 3, 4, 6, generator=generator)
+    token_mask = torch.tensor([[False, True, True, True, True, True], [True] * 6])  # 4 cached + 2 new
+    dynamic, static = DynamicLayer(), StaticLayer(max_cache_len=9)
+    for layer in (dynamic, static):
+        layer.update(keys, values)
+    for positions, read in ((1, 1), (3, 3), (6, 4), (None, 4)):
+        expected_valid = token_mask[:, 4 - read :]
+        for layer in (dynamic, static):
+            past, valid = cached_gate_state(Cache(layer), 0, 4, token_mask, 2, positions)
+            if type(layer) is StaticLayer and positions is not None and positions > 4:  # gathered before the start
+                padding = positions - 4
+                assert torch.equal(past[:, :, :padding], torch.zeros(2, 3, padding, 2))
+                assert not valid[:, :padding].any()
+                past, valid = past[:, :, padding:], valid[:, padding:]
+            assert torch.equal(past, values[:, :, 4 - read :, 4:]) and torch.equal(valid, expected_valid)
+    # without a padding mask a StaticCache still says which gathered positions hold keys (a count of 0 is no past)
+    assert cached_gate_state(Cache(dynamic), 0, 4, None, 2, 3)[1] is None
+    holds_keys = torch.tensor([[False] * 2 + [True] * 6] * 2)
+    assert torch.equal(cached_gate_state(Cache(static), 0, 4, None, 2, 6)[1], holds_keys)
+    # a StaticCache before its first update: no past; the mask of the new positions
+    past, valid = cached_gate_state(Cache(StaticLayer(max_cache_len=9)), 0, 4, token_mask[:, 4:], 2, 1)
+    assert past is None and torch.equal(valid, token_mask[:, 4:])
+    assert cached_gate_state(None, 0, 4, None, 2, 1) == (None, None)
 
 
 def test_output_attentions_falls_back_to_eager_with_a_warning(caplog):

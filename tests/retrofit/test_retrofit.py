@@ -145,6 +145,23 @@ def test_static_cache_generation_matches_the_forward(family, tmp_path):
         torch.testing.assert_close(step_logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
 
 
+def test_a_static_cache_decoding_step_of_a_retrofitted_gpt2_has_no_graph_break(tmp_path):
+    """The gates read a StaticCache at its on-device length: a decoding step is one graph."""
+    from transformers import StaticCache
+
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
+    add_energy_gates(model)
+    randomise_gates(model)
+    ids, mask, _ = padded_batch()
+    cache = StaticCache(config=model.config, max_cache_len=20)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        step_mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+        explanation = torch._dynamo.explain(model)(ids[:, -1:], attention_mask=step_mask, cache=cache, use_cache=True)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
 def test_gated_attention_accepts_positional_arguments(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
     add_energy_gates(model)

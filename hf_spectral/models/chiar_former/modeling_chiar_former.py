@@ -56,6 +56,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_chiar_former import ChiarConfig
 from ...ops.pooling import SequencePooling
+from ...ops.positions import new_positions
 from ...ops.remote_code import save_pretrained_with_code
 from ...ops.random_features import (
     authors_rbf_mixing,
@@ -338,7 +339,7 @@ class ChiarAttention(nn.Module):
 
         implementation = self._implementation(kwargs)
         if layout is None:
-            query_slots = torch.arange(past_length, past_length + length, device=key.device).expand(batch, -1)
+            query_slots = (torch.arange(length, device=key.device) + past_length).expand(batch, -1)
             query_valid = None
         else:
             if index.shape[1] == 0:  # no token routed here (eager mode on CPU): only the cache grew
@@ -431,7 +432,13 @@ class ChiarAttention(nn.Module):
                 query_slots, query_valid, key_valid, key_length, self.is_causal, FLEX_BLOCK_SIZE
             )
             return mask, False
-        if dense and key_valid is None and implementation == "sdpa" and key_length == past_length + query_slots.shape[1]:
+        if (
+            dense
+            and key_valid is None
+            and implementation == "sdpa"
+            and isinstance(past_length, int)  # not a StaticCache: its buffer is longer than what it holds
+            and key_length == past_length + query_slots.shape[1]
+        ):
             if past_length == 0:  # every key is a new token: the kernel's causal flag is the mask
                 return None, self.is_causal
             if query_slots.shape[1] == 1:  # one new token after the cache: it reads every key
@@ -646,7 +653,11 @@ class ChiarModel(ChiarPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _past_length(self, cache: Cache | None, attention_mask: torch.Tensor | None, length: int) -> int:
+    def _past_length(
+        self, cache: Cache | None, attention_mask: torch.Tensor | None, length: int
+    ) -> int | torch.Tensor:
+        """The number of cached positions: an int, or a ``StaticCache``'s on-device tensor (never read on the host
+        there, so that a decoding step does not wait for the device and compiles as one graph)."""
         if cache is None:
             return 0
         if len(cache.layers) != self.config.num_hidden_layers:
@@ -655,7 +666,9 @@ class ChiarModel(ChiarPreTrainedModel):
                 "`DynamicCache(config=model.config)` so that each layer gets the state its operator needs"
             )
         if any(t in ("full_attention", "hybrid") for t in self.config.layer_types):
-            return int(cache.get_seq_length())
+            # A StaticCache's length is a tensor its first layer's update advances in place: keep this call's value.
+            past_length = cache.get_seq_length()
+            return past_length.clone() if isinstance(past_length, torch.Tensor) else past_length
         # Only recurrent state: nothing depends on the past length except the mask's shape.
         return attention_mask.shape[1] - length if attention_mask is not None and attention_mask.ndim == 2 else 0
 
@@ -696,25 +709,34 @@ class ChiarModel(ChiarPreTrainedModel):
         if isinstance(attention_mask, dict):  # generate() with a StaticCache: one causal mask per layer type
             attention_mask = next((m for m in attention_mask.values() if m is not None), None)
         past_length = self._past_length(cache, attention_mask, length)
+        # A StaticCache's length is read on the host only where that is free: for the checks and the slicing below.
+        known_length = past_length
+        if isinstance(past_length, torch.Tensor):
+            known_length = int(past_length) if _host_reads_are_free(past_length) else None
         if attention_mask is not None and attention_mask.ndim == 4:
             # A causal 4D mask (generate() builds one for a StaticCache): the last query sees every earlier token, so
-            # its row is the padding mask (bool: True = seen; float: 0 = seen).
-            seen = attention_mask[:, 0, -1, : past_length + length]
+            # its row is the padding mask (bool: True = seen; float: 0 = seen). Without a host-side length the whole
+            # row: the slots after the new positions read as padding, which the attention masks skip anyway.
+            seen = attention_mask[:, 0, -1, : None if known_length is None else known_length + length]
             attention_mask = seen if seen.dtype == torch.bool else seen == 0
 
         key_valid = token_valid = None
         if attention_mask is not None:
-            if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch, past_length + length):
+            width = f"cached + {length}" if known_length is None else known_length + length
+            if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length or (
+                known_length is not None and attention_mask.shape[1] != width
+            ):
+                cached = "?" if known_length is None else known_length
                 raise ValueError(
-                    f"attention_mask must have shape (batch, cached + new positions) = ({batch}, "
-                    f"{past_length + length}) ({past_length} cached, {length} new), got {tuple(attention_mask.shape)}"
+                    f"attention_mask must have shape (batch, cached + new positions) = ({batch}, {width}) ({cached} "
+                    f"cached, {length} new), got {tuple(attention_mask.shape)}"
                 )
             key_valid = attention_mask.bool()
             # Without padding every padding mask and fix-up is skipped; read where that costs no synchronisation.
             if _host_reads_are_free(key_valid) and bool(key_valid.all()):
                 key_valid = None
             else:
-                token_valid = key_valid[:, -length:]
+                token_valid = new_positions(key_valid, past_length, length)
         position_ids = self._position_ids(position_ids, key_valid, batch, length, past_length, inputs_embeds.device)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
 
@@ -756,8 +778,8 @@ class ChiarModel(ChiarPreTrainedModel):
         """(B, T) positions: given ones checked, else counted over real tokens (left padding does not shift them)."""
         if position_ids is None:
             if key_valid is not None:
-                return (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
-            return torch.arange(past_length, past_length + length, device=device)[None].expand(batch, -1)
+                return new_positions((key_valid.long().cumsum(-1) - 1).clamp(min=0), past_length, length)
+            return (torch.arange(length, device=device) + past_length)[None].expand(batch, -1)
         if position_ids.ndim == 1:
             position_ids = position_ids[None]
         if position_ids.ndim != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:

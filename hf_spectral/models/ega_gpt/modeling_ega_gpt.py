@@ -46,6 +46,7 @@ from ...ops.gated_attention import (
     replace_folded_bias,
 )
 from ...ops.pooling import SequencePooling
+from ...ops.positions import new_positions
 from ...ops.remote_code import save_pretrained_with_code
 from .configuration_ega_gpt import EGAConfig
 
@@ -168,8 +169,10 @@ class EGAAttention(nn.Module):
             )
         else:
             # The cache stores each key folded with its bias and the gate state later steps continue from.
-            past_aux = cached_gate_state(cache, self.layer_idx, self.head_dim)
-            bias, _, aux = self.energy_gate(hidden_states, token_mask, past_aux, return_aux=True)
+            past_aux, valid = cached_gate_state(
+                cache, self.layer_idx, self.head_dim, token_mask, length, self.energy_gate.cached_positions
+            )
+            bias, _, aux = self.energy_gate(hidden_states, valid, past_aux, return_aux=True)
             key, value = fold_bias_into_kv(key, value, bias, aux)
             key, value = cache.update(key, value, self.layer_idx)
             if bias.shape[-1] != length:  # window statistics: every cached key's bias moved with the window
@@ -246,13 +249,18 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
     batch, length = shape[0], shape[1]
     if batch == 0 or length == 0:
         raise ValueError(f"{name} is empty (shape {tuple(shape)}): give at least one sequence of at least one token")
+    if isinstance(past_length, torch.Tensor):  # a StaticCache's: read where that costs no device synchronisation
+        past_length = int(past_length) if past_length.device.type == "cpu" and not is_torchdynamo_compiling() else None
     if attention_mask is not None:
         if attention_mask.ndim == 2:
-            if tuple(attention_mask.shape) != (batch, past_length + length):
+            width = f"cached + {length}" if past_length is None else past_length + length
+            if attention_mask.shape[0] != batch or attention_mask.shape[1] < length or (
+                past_length is not None and attention_mask.shape[1] != width
+            ):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)}, expected (batch, cached + new) = "
-                    f"({batch}, {past_length + length}) for {name} of shape {tuple(shape)} after {past_length} "
-                    "cached positions"
+                    f"({batch}, {width}) for {name} of shape {tuple(shape)} after "
+                    f"{'the' if past_length is None else past_length} cached positions"
                 )
         elif attention_mask.ndim == 4:
             if attention_mask.shape[0] != batch or attention_mask.shape[1] != 1 or attention_mask.shape[2] != length:
@@ -318,13 +326,13 @@ class EGAModel(EGAPreTrainedModel):
             cache = DynamicCache(config=self.config)
         length = inputs_embeds.shape[1]
 
-        # The gates need the padding of every position they normalise over: (batch, cached + new), True at tokens.
+        # The gates need the padding of every position they normalise over: (batch, ≥ cached + new), True at tokens.
         token_mask = padding_mask(attention_mask, past_length + length)
         if position_ids is None:
             if token_mask is not None:  # count real tokens, so that left padding does not shift positions
-                position_ids = (token_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+                position_ids = new_positions((token_mask.long().cumsum(-1) - 1).clamp(min=0), past_length, length)
             else:
-                position_ids = torch.arange(past_length, past_length + length, device=inputs_embeds.device)[None]
+                position_ids = (torch.arange(length, device=inputs_embeds.device) + past_length)[None]
 
         causal_mask = create_causal_mask(
             config=self.config,

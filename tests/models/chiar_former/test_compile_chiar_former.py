@@ -62,6 +62,30 @@ def test_explain_finds_no_graph_break_in_a_routed_forward():
     assert explanation.graph_count == 1
 
 
+def test_a_static_cache_decoding_step_is_one_graph_and_matches_eager():
+    """A StaticCache keeps its length on the device: position ids, the new tokens' padding and the routed queries'
+    slots are indexed with it, never read on the host; the compiled step (aot_eager, fullgraph) gives eager's logits."""
+    from transformers import StaticCache
+
+    ids = random_ids(2, 10, seed=34)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :2] = 0
+    model = build(ChiarForCausalLM, tiny_config(layer_operators=["attention", "routed"], num_hidden_layers=2),
+                  calibrate_on=ids).eval()
+    def prefilled():
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        model(ids[:, :9], attention_mask=mask[:, :9], cache=cache, use_cache=True)
+        return cache
+
+    step = dict(input_ids=ids[:, 9:], attention_mask=mask, use_cache=True)
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(cache=prefilled(), **step)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        logits = [compiled(cache=prefilled(), **step).logits, model(cache=prefilled(), **step).logits]
+    torch.testing.assert_close(logits[1], logits[0], **FORWARD_TOLERANCE)
+
+
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("router_type", ["threshold", "hard", "soft"])
 def test_compiled_forward_and_training_step_match_eager(router_type, is_causal):

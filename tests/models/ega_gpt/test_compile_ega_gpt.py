@@ -5,6 +5,7 @@ compilation (a container whose forward runs them all)."""
 import pytest
 import torch
 from torch import nn
+from transformers import StaticCache
 
 from hf_spectral import EGAForCausalLM
 from tests.helpers import INDUCTOR_ISA_FORCED, INDUCTOR_SKIP_REASON
@@ -51,6 +52,38 @@ def test_an_ega1_forward_has_no_graph_break():
         explanation = torch._dynamo.explain(model)(ids, **kwargs)
         assert explanation.graph_break_count == 0, explanation.break_reasons
         assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("variant", ["EGA-1", "EGA-C"])
+def test_a_static_cache_decoding_step_has_no_graph_break(variant):
+    """A StaticCache keeps its length on the device: the gates gather their cached state at tensor positions, so a
+    decoding step, padded or not, is one graph (and on a GPU never waits for the device)."""
+    model = _model(variant, **({"energy_scales": [3, 5]} if variant == "EGA-C" else {})).eval()
+    ids, mask = padded_batch()
+    step_mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    cases = ((ids[:, 5:], {}, {}), (ids, {"attention_mask": mask}, {"attention_mask": step_mask}))
+    for prompt, kwargs, step_kwargs in cases:
+        cache = StaticCache(config=model.config, max_cache_len=20)
+        with torch.no_grad():
+            model(prompt, cache=cache, use_cache=True, **kwargs)
+            explanation = torch._dynamo.explain(model)(prompt[:, -1:], cache=cache, use_cache=True, **step_kwargs)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+
+
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
+def test_a_fullgraph_compiled_model_generates_with_a_static_cache_what_the_eager_one_generates():
+    """transformers' recipe for fast generation: a StaticCache and the forward compiled as one graph."""
+    model = _model("EGA-1").eval()
+    ids, mask = padded_batch()
+    settings = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                    output_logits=True, return_dict_in_generate=True)
+    expected = model.generate(ids, **settings)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    compiled = model.generate(ids, **settings)
+    assert torch.equal(compiled.sequences, expected.sequences)
+    for a, b in zip(compiled.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)

@@ -99,3 +99,36 @@ def test_retrofitted_gpt2_gated_sdpa_runs_in_a_fused_kernel(tmp_path):
         out = model(ids[:, 5:], use_cache=True)
         model(ids[:, -1:], cache=out.cache, use_cache=True)
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+
+
+@pytest.mark.parametrize("variant", ["EGA-1", "EGA-C"])
+def test_a_static_cache_decoding_step_of_a_gated_layer_never_synchronises_on_cuda(variant):
+    """A gated attention layer's decoding step with a StaticCache: the gates gather their state at the cache's
+    on-device length; no host read, which ``set_sync_debug_mode("error")`` turns into an error."""
+    from transformers import StaticCache
+
+    model = cuda_model(variant, **({"energy_scales": [3, 5]} if variant == "EGA-C" else {})).eval()
+    model.set_attn_implementation("sdpa")
+    attention = model.model.h[0].attn
+    ids, mask = (t.cuda() for t in padded_batch())
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    hidden = torch.randn(3, ids.shape[1] + 1, model.config.hidden_size, device="cuda")
+    token_mask = torch.nn.functional.pad(mask.bool(), (0, 32 - ids.shape[1]), value=False)
+    token_mask[:, ids.shape[1]] = True
+    keys = torch.arange(32, device="cuda")
+    prefill = (keys[None, :] <= torch.arange(ids.shape[1], device="cuda")[:, None]) & token_mask[:, None]
+    step = (keys <= ids.shape[1]) & token_mask
+    with torch.no_grad():
+        attention(hidden[:, :-1], attention_mask=prefill[:, None], token_mask=token_mask, cache=cache)
+        full = prefill[:, :, : ids.shape[1] + 1]
+        full = torch.cat([full, step[:, None, : ids.shape[1] + 1]], 1)[:, None]  # the prompt's rows, then the step's
+        expected, _ = attention(hidden, attention_mask=full, token_mask=token_mask[:, : ids.shape[1] + 1])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            output, _ = attention(
+                hidden[:, -1:], attention_mask=step[:, None, None], token_mask=token_mask, cache=cache
+            )
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(output[:, 0], expected[:, -1], atol=1e-4, rtol=1e-4)

@@ -268,6 +268,25 @@ def test_static_cache_generation_equals_the_uncached_forward(variant, padded):
         torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("variant", ["EGA-1", "EGA-C"])
+def test_a_reset_static_cache_starts_like_a_new_one(variant):
+    """After ``reset()`` a StaticCache holds zeros and an on-device length of 0, which the gates read as a past
+    with a count of 0: the same statistics as no past (identical in exact arithmetic)."""
+    from transformers import StaticCache
+
+    model = tiny_model(variant)
+    ids = padded_batch()[0][:, 5:]
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        fresh = model(ids, cache=cache, use_cache=True, output_gate_values=True)
+        model(ids[:, -1:], cache=cache, use_cache=True)
+        cache.reset()
+        again = model(ids, cache=cache, use_cache=True, output_gate_values=True)
+    for a, b in zip(again.gate_values, fresh.gate_values):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(again.logits, fresh.logits, atol=1e-6, rtol=0)
+
+
 def test_caches_that_drop_keys_are_refused():
     from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
