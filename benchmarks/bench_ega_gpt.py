@@ -17,6 +17,10 @@ measured too, to separate the gate's cost from our GPT's. flex_attention runs as
 compiled with ``torch.compile`` (on CPU too), the rest of the model eager. torch's flex_attention has no backward
 pass on CPU, so training and its memory are measured under ``sdpa`` only.
 
+With ``--compiled-generation``, generation is also measured the way transformers makes it fast: a ``StaticCache``
+and each model's forward under ``torch.compile(fullgraph=True)`` (one graph per shape, no host read of the cache
+length), the same for every model (``compiled-generate_*`` rows). ``--only`` restricts a run to some measurements.
+
 Each ratio is printed beside its target (training, forward and generation ≥ 0.95×, memory ≤ 1.10×); a missed
 target is reported with its shortfall and the reason found for it.
 """
@@ -52,6 +56,9 @@ REASONS = {
     "and bias folded into the cached keys and values, the query padded; several are views) on tensors of a few "
     "hundred values: bound by op dispatch, not arithmetic",
     "memory": "the folded channel stores q, k and v once more (D + 1 channels) for the backward pass",
+    "compiled-generate": "compiled, the gate's per-step ops fuse into a few kernels; what stays is arithmetic "
+    "the baseline does not do: the gate's energy projection, and attention and cache writes over the folded head "
+    "(the key's bias channel and the gate's running moments in the value channels: D + 3 channels for EGA-1)",
     "generate_flex_attention": "the gate's per-step ops as under SDPA; besides, on CPU both models compile "
     "flex_attention for static shapes (with dynamic ones torch 2.13's CPU flex template cannot build kernels reading "
     "a captured tensor), so every new key length recompiles and, past dynamo's recompilation limit, runs "
@@ -90,6 +97,13 @@ def decode_step_op_counts() -> dict:
                 attention(torch.randn(1, 1, SIZE["hidden_size"]), cache=cache)
         counts[name] = counter.ops
     return counts
+
+
+def compile_for_generation(model):
+    """transformers' recipe for fast generation, applied alike to every model: the forward compiled as one graph,
+    used with a StaticCache (shapes stay fixed from step to step)."""
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    return model
 
 
 def build(name: str, context: int, backend: str):
@@ -196,6 +210,12 @@ def folded_kernel_line(label: str, folded: str, ratio: float, plain: str) -> str
             f"{ratio:.3f}× the speed of {plain}, the model's head size")
 
 
+def results_name(args) -> str:
+    """ega_gpt, ega_gpt_<first --only prefix>, each with _quick for --quick."""
+    only = f"_{args.only.split(',')[0].replace('-', '_')}" if args.only else ""
+    return f"ega_gpt{only}{'_quick' if args.quick else ''}"
+
+
 def aggregate_runs(args):
     """Run this benchmark ``args.runs`` times, each in a fresh process, and write one table of the judged ratio of
     every (threads, backend, measurement, model): its median over the runs, its range and each run's value."""
@@ -248,12 +268,14 @@ def aggregate_runs(args):
         "peak(baseline), < 1 smaller). Baseline: GPT2LMHeadModel under sdpa; EGA-GPT without gates (`ega_base`) "
         f"under flex_attention. Size: {json.dumps(SIZE)}; `ega` = EGA-1, causal statistics, every layer gated; "
         "`ega_compiled_gate` = the same with each gate's forward under torch.compile (not the default path); "
+        "`compiled-generate_*`: generation with a StaticCache and every model's forward under "
+        "torch.compile(fullgraph=True); "
         "`head_32` / `head_33`: torch's SDPA kernel alone at the model's head size and at the folded one.\n\n"
         "Targets for `ega`:\n" + "\n".join(f"- {v}" for v in verdicts)
     )
     first = runs[0]
     write_results(
-        args.out, "ega_gpt_quick" if args.quick else "ega_gpt", rows,
+        args.out, results_name(args), rows,
         title=f"EGA-GPT vs a GPT of the same size, same backend and cache: {args.runs} runs",
         config={**first["config"], "runs": args.runs}, seeds=[0], notes=notes,
         columns=["threads", "backend", "measurement", "model", "median_ratio", "min_ratio", "max_ratio", "per_run"],
@@ -275,6 +297,12 @@ def main():
     parser.add_argument("--compiled-gate", action="store_true",
                         help="under sdpa, also measure EGA-1 with each gate's forward under torch.compile "
                         "(`ega_compiled_gate`; the rest of the model eager)")
+    parser.add_argument("--compiled-generation", action="store_true",
+                        help="under sdpa, also measure generation with a StaticCache and every model's forward under "
+                        "torch.compile(fullgraph=True) (`compiled-generate_*` rows)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated measurement names or prefixes to run (e.g. compiled-generate); the "
+                        "results then go to ega_gpt_<first prefix>")
     parser.add_argument("--out", default="results/benchmarks")
     parser.add_argument("--runs", type=int, default=1,
                         help="repeat the whole benchmark in this many fresh processes and report the median ratio "
@@ -302,6 +330,13 @@ def main():
         "generate_batch8": dict(kind="generate", batch=8, prompt=64, new_tokens=16 if quick else 128),
         "generate_batch32": dict(kind="generate", batch=32, prompt=64, new_tokens=8 if quick else 64),
     }
+    if args.compiled_generation:
+        for batch in (1, 8, 32):
+            settings[f"compiled-generate_batch{batch}"] = dict(settings[f"generate_batch{batch}"],
+                                                               kind="compiled-generate")
+    if args.only:
+        prefixes = tuple(args.only.split(","))
+        settings = {label: setting for label, setting in settings.items() if label.startswith(prefixes)}
     mem_setting = dict(batch=2 if quick else 8, length=1024)
     rows, verdicts = [], []
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -314,13 +349,20 @@ def main():
                 names.insert(-1, "ega_compiled_gate")  # `ega` stays last: the verdicts read the last row
             torch.manual_seed(0)
             for label, setting in settings.items():
+                if setting["kind"] == "compiled-generate" and backend != "sdpa":
+                    continue
                 if backend == "flex_attention" and setting["kind"] == "train":
                     verdicts.append(f"[{backend}, threads {thread_label}] {label}: not measured: torch's "
                                     "flex_attention has no backward pass on CPU")
                     print(verdicts[-1], flush=True)
                     continue
                 context = max(setting.get("length", 256), 256)
-                models = {name: build(name, context, backend) for name in names}
+                if setting["kind"] == "compiled-generate":
+                    torch._dynamo.reset()  # each batch size compiles its own graphs: stay below the recompile limit
+                    names_here = [n for n in names if n != "ega_compiled_gate"]
+                    models = {name: compile_for_generation(build(name, context, backend)) for name in names_here}
+                else:
+                    models = {name: build(name, context, backend) for name in names}
                 if setting["kind"] == "train":
                     fns = {n: training_step_fn(m, setting["batch"], setting["length"]) for n, m in models.items()}
                     tokens = setting["batch"] * setting["length"]
@@ -328,7 +370,8 @@ def main():
                     fns = {n: forward_fn(m, setting["batch"], setting["length"]) for n, m in models.items()}
                     tokens = setting["batch"] * setting["length"]
                 else:
-                    shape = (setting["batch"], setting["prompt"], setting["new_tokens"], args.cache)
+                    cache = "static" if setting["kind"] == "compiled-generate" else args.cache
+                    shape = (setting["batch"], setting["prompt"], setting["new_tokens"], cache)
                     fns = {n: generate_fn(m, *shape) for n, m in models.items()}
                     tokens = setting["batch"] * setting["new_tokens"]
                 times = time_alternating(fns, repeats)
@@ -349,7 +392,7 @@ def main():
                     verdicts.append(f"[{backend}, threads {thread_label}] "
                                     + compiled_gate_line(label, compiled, baseline))
                     print(verdicts[-1], flush=True)
-            if backend == "sdpa":  # the folded head's cost in the kernel alone, at the training shape
+            if backend == "sdpa" and not args.only:  # the folded head's cost in the kernel alone, at training
                 setting = settings["train_T256"]
                 heads = SIZE["num_attention_heads"]
                 fns = folded_head_kernels(setting["batch"], heads, setting["length"], SIZE["hidden_size"] // heads,
@@ -366,7 +409,7 @@ def main():
                 verdicts.append(f"[{backend}, threads {thread_label}] "
                                 + folded_kernel_line("sdpa_kernel_train_T256", folded, ratio, plain))
                 print(verdicts[-1], flush=True)
-            if not args.no_memory and backend != "flex_attention":  # training memory: no flex backward on CPU
+            if not args.no_memory and not args.only and backend != "flex_attention":  # no flex backward on CPU
                 names = [n for n in names if n != "ega_compiled_gate"]
                 mem = {n: peak_memory(n, mem_setting["batch"], mem_setting["length"], backend, threads) for n in names}
                 for name in names:
@@ -381,11 +424,12 @@ def main():
         "several threads). Memory ratios are peak(model) / peak(baseline), < 1 smaller. Baseline: GPT2LMHeadModel "
         "under sdpa; EGA-GPT without gates (`ega_base`) under flex_attention, which transformers' GPT-2 does not "
         f"support. Size: {json.dumps(SIZE)}; `ega` = EGA-1, causal statistics, every layer gated; generation cache: "
-        f"`{args.cache}` for every model.\n\nTargets for `ega`:\n" + "\n".join(f"- {v}" for v in verdicts)
+        f"`{args.cache}` for every model (`compiled-generate_*`: a StaticCache and every model's forward under "
+        "torch.compile(fullgraph=True)).\n\nTargets for `ega`:\n" + "\n".join(f"- {v}" for v in verdicts)
     )
     write_results(
         args.out,
-        "ega_gpt" if not quick else "ega_gpt_quick",
+        results_name(args),
         rows,
         title="EGA-GPT vs a GPT of the same size, same backend and cache, same run",
         config={"size": SIZE, "settings": settings, "repeats": repeats, "memory": mem_setting,

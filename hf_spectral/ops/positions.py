@@ -1,4 +1,4 @@
-"""Positions of new tokens after a KV cache whose length may be a tensor.
+"""Positions and padding of new tokens after a KV cache whose length may be a tensor.
 
 A ``DynamicCache`` knows its length on the host (an ``int``); a ``StaticCache`` keeps it as a tensor on the device,
 and reading that (``int(...)``) makes a decoding step wait for the device and breaks a compiled graph. Code that
@@ -18,4 +18,14 @@ def new_positions(per_position: torch.Tensor, past_length: int | torch.Tensor, l
     return per_position[:, past_length : past_length + length]
 
 
-__all__ = ["new_positions"]
+def keep_padding_mask_for_generate(attention_mask=None, **kwargs):
+    """``create_masks_for_generate`` of the models whose forward needs the 2D padding mask itself: hands it through.
+
+    For a ``StaticCache`` generate() builds the attention backend's mask ahead of the forward: a 4D tensor, or a
+    flex_attention ``BlockMask``, from which the padding cannot be read back. The energy gates' statistics skip
+    padding, and the forwards of EGA-GPT and of retrofitted models build the backend's mask from the 2D one
+    themselves (with transformers' mask functions, inside a compiled graph too)."""
+    return attention_mask
+
+
+__all__ = ["keep_padding_mask_for_generate", "new_positions"]

@@ -24,6 +24,7 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from ..ops.energy_gate import EnergyGate, MorletEnergy
+from ..ops.positions import keep_padding_mask_for_generate
 from ..ops.remote_code import save_pretrained_with_code
 from .config import EnergyGateConfig
 from .layer import AttentionConfigView, gated_attention_class, set_token_mask_hook
@@ -189,6 +190,9 @@ class EnergyGatedModelMixin:
                 "records); this config has none"
             )
         inject_energy_gates(self, family_of(self), EnergyGateConfig.from_dict(config.energy_gates))
+
+    # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none).
+    create_masks_for_generate = staticmethod(keep_padding_mask_for_generate)
 
     def initialize_weights(self):
         # The stock `_init_weights` (run per sub-model) does not know the gate parameters: initialise them first

@@ -131,8 +131,8 @@ def test_gated_model_is_causal_and_its_cache_matches_the_forward(family, tmp_pat
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_static_cache_generation_matches_the_forward(family, tmp_path):
-    """With a StaticCache generate() hands the decoder a 4D mask: the gates read their padding from it and their
-    state at the last filled key."""
+    """With a StaticCache the gates read their padding from the 2D mask (which a retrofitted model keeps for the
+    forward, ``create_masks_for_generate``) and their state at the last filled key."""
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINTS[family](tmp_path / family)).eval()
     add_energy_gates(model)
     randomise_gates(model)
@@ -140,6 +140,22 @@ def test_static_cache_generation_matches_the_forward(family, tmp_path):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
                          output_logits=True, return_dict_in_generate=True)
     full_mask = torch.cat([mask, torch.ones(3, 4, dtype=mask.dtype)], 1)
+    full = logits(model, out.sequences, full_mask, (full_mask.cumsum(-1) - 1).clamp(min=0))
+    for step, step_logits in enumerate(out.logits):
+        torch.testing.assert_close(step_logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
+def test_static_cache_generation_under_flex_attention_keeps_the_padding(tmp_path):
+    """generate() would hand a StaticCache forward a flex BlockMask, which has no padding to read: a retrofitted model
+    takes the 2D mask instead, and its gates skip the left padding."""
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint(tmp_path / "llama"), attn_implementation="flex_attention")
+    add_energy_gates(model.eval())
+    randomise_gates(model)
+    ids, mask, _ = padded_batch()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static",
+                         output_logits=True, return_dict_in_generate=True)
+    full_mask = torch.cat([mask, torch.ones(3, 3, dtype=mask.dtype)], 1)
     full = logits(model, out.sequences, full_mask, (full_mask.cumsum(-1) - 1).clamp(min=0))
     for step, step_logits in enumerate(out.logits):
         torch.testing.assert_close(step_logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)

@@ -46,7 +46,7 @@ from ...ops.gated_attention import (
     replace_folded_bias,
 )
 from ...ops.pooling import SequencePooling
-from ...ops.positions import new_positions
+from ...ops.positions import keep_padding_mask_for_generate, new_positions
 from ...ops.remote_code import save_pretrained_with_code
 from .configuration_ega_gpt import EGAConfig
 
@@ -351,6 +351,8 @@ class EGAModel(EGAPreTrainedModel):
 
 class EGAForCausalLM(EGAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.wte.weight"}
+    # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none).
+    create_masks_for_generate = staticmethod(keep_padding_mask_for_generate)
 
     def __init__(self, config: EGAConfig):
         super().__init__(config)

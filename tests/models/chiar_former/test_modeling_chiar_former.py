@@ -549,6 +549,21 @@ def test_bad_inputs_are_refused_naming_the_argument_and_shapes(make_inputs, mess
         model(**make_inputs(random_ids(2, 6, seed=33)))
 
 
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
+def test_static_cache_generation_under_flex_attention_equals_the_uncached_forward(fresh_compilation):
+    """flex_attention with a StaticCache (one key length, so one compiled kernel for every step): left-padded greedy
+    generation gives the uncached forward's logits."""
+    ids = random_ids(3, 9, seed=11)
+    padded, mask = _left_padded(ids, [0, 4, 2])
+    model = _with_backend(build(ChiarForCausalLM, tiny_config(), calibrate_on=ids), "flex_attention")
+    greedy = model.generate(padded, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                            cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+    step_mask = torch.cat([mask, torch.ones(3, 3, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        reference = model(greedy.sequences, attention_mask=step_mask, use_cache=False).logits[:, 8:-1]
+    torch.testing.assert_close(torch.stack(greedy.logits, 1), reference, atol=1e-5, rtol=1e-5)
+
+
 def test_static_cache_without_a_mask_reads_only_the_filled_slots():
     """A StaticCache hands back its whole key buffer: without a padding mask, the empty slots after the filled ones
     must still be masked out (the SDPA fast path applies only when the keys are exactly the past and new tokens)."""

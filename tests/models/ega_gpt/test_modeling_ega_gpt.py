@@ -287,6 +287,24 @@ def test_a_reset_static_cache_starts_like_a_new_one(variant):
     torch.testing.assert_close(again.logits, fresh.logits, atol=1e-6, rtol=0)
 
 
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
+def test_static_cache_generation_under_flex_attention_keeps_the_padding():
+    """For a StaticCache generate() builds the backend's mask ahead of the forward, under flex_attention a BlockMask
+    without the padding; the model takes the 2D mask instead (``create_masks_for_generate``), so the gates still
+    skip the left padding and a padded row generates what it generates alone."""
+    model = tiny_model("EGA-1")
+    model.set_attn_implementation("flex_attention")
+    ids, mask = padded_batch()
+    settings = dict(max_new_tokens=3, do_sample=False, cache_implementation="static")
+    out = model.generate(ids, attention_mask=mask, output_logits=True, return_dict_in_generate=True, **settings)
+    full_mask = torch.cat([mask, torch.ones(3, 3, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        full = model(out.sequences, attention_mask=full_mask).logits
+    for step, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
+    assert torch.equal(model.generate(ids[:1, 5:], **settings), out.sequences[:1, 5:])
+
+
 def test_caches_that_drop_keys_are_refused():
     from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
