@@ -133,14 +133,15 @@ def cached_gate_state(
     """What an ``EnergyGate`` call on ``length`` new positions reads: ``(past_aux, valid)``.
 
     ``past_aux`` is the per-key gate state a layer's KV cache holds after the first ``head_dim`` value channels, for
-    the last ``positions`` cached keys (all of them for ``None``), (B, Hk, P, ·), or ``None`` before the first key
-    (or without a cache); ``valid`` is the padding mask of those keys and the new positions, (B, P + length), cut
-    from ``token_mask`` (B, ≥ cached + new), or ``None`` without one.
+    its cached keys, (B, Hk, P, ·), or ``None`` before the first key (or without a cache); ``valid`` is the padding
+    mask of those keys and the new positions, (B, P + length), cut from ``token_mask`` (B, ≥ cached + new), or
+    ``None`` without one.
 
-    A ``StaticCache`` keeps its length on the device: its last keys are gathered at tensor positions, so a decoding
-    step never waits for the device (and compiles without a graph break). Positions before its first key read as
-    zeros: a count of 0, silence for the filters, not a token (``valid`` is then always given, so that the gate's
-    statistics treat a count of 0 as no past). Reading every key (``positions=None``) needs the length on the host.
+    A ``StaticCache`` keeps its length on the device: only the last ``positions`` keys (the most a gate reads,
+    ``EnergyGate.cached_positions``) are gathered, at tensor positions, so a decoding step never waits for the
+    device (and compiles without a graph break). Positions before its first key read as zeros: a count of 0, silence
+    for the filters, not a token (``valid`` is then always given, so that the gate's statistics treat a count of 0 as
+    no past). ``positions=None`` (every key: window statistics) reads the length on the host.
     """
     layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
     if layer is None or (type(layer) is StaticLayer and not layer.is_initialized):
@@ -158,9 +159,8 @@ def cached_gate_state(
     cached = cached_length(layer)
     if cached == 0:
         return None, None if token_mask is None else token_mask[:, :length]
-    read = cached if positions is None else min(cached, positions)
-    valid = None if token_mask is None else token_mask[:, cached - read : cached + length]
-    return layer.values[:, :, cached - read : cached, head_dim:], valid
+    # Every cached key: slices of a cache's own length are views, and no slice at all where they cover everything.
+    return layer.values[:, :, :cached, head_dim:], None if token_mask is None else token_mask[:, : cached + length]
 
 
 # ----------------------------------------------------------------------------------------------------------------

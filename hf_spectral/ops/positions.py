@@ -18,6 +18,14 @@ def new_positions(per_position: torch.Tensor, past_length: int | torch.Tensor, l
     return per_position[:, past_length : past_length + length]
 
 
+def host_length(past_length: int | torch.Tensor) -> int | None:
+    """``past_length`` as an ``int`` where reading it costs nothing (an ``int``; a CPU tensor outside a compiled
+    graph), else ``None``: for checks and shortcuts that may be skipped on a device or under ``torch.compile``."""
+    if not isinstance(past_length, torch.Tensor):
+        return past_length
+    return int(past_length) if past_length.device.type == "cpu" and not torch.compiler.is_compiling() else None
+
+
 def keep_padding_mask_for_generate(attention_mask=None, **kwargs):
     """``create_masks_for_generate`` of the models whose forward needs the 2D padding mask itself: hands it through.
 
@@ -28,4 +36,4 @@ def keep_padding_mask_for_generate(attention_mask=None, **kwargs):
     return attention_mask
 
 
-__all__ = ["keep_padding_mask_for_generate", "new_positions"]
+__all__ = ["host_length", "keep_padding_mask_for_generate", "new_positions"]

@@ -145,9 +145,9 @@ def test_caches_that_drop_or_alter_keys_are_refused():
 
 
 def test_gate_state_is_read_alike_from_dynamic_and_static_caches():
-    """The last ``positions`` keys' state after the head's channels and the padding mask of those keys and the new
-    ones; a StaticCache's are gathered at its on-device length, positions before its first key read as zeros and
-    not as tokens."""
+    """The cached keys' state after the head's channels and the padding mask of those keys and the new ones; from a
+    StaticCache the last ``positions`` keys, gathered at its on-device length, positions before its first key read as
+    zeros and not as tokens."""
 
     class Cache:
         def __init__(self, layer):
@@ -160,16 +160,16 @@ def test_gate_state_is_read_alike_from_dynamic_and_static_caches():
     dynamic, static = DynamicLayer(), StaticLayer(max_cache_len=9)
     for layer in (dynamic, static):
         layer.update(keys, values)
-    for positions, read in ((1, 1), (3, 3), (6, 4), (None, 4)):
-        expected_valid = token_mask[:, 4 - read :]
+    for positions in (1, 3, 6, None):
         for layer in (dynamic, static):
             past, valid = cached_gate_state(Cache(layer), 0, 4, token_mask, 2, positions)
+            read = 4 if type(layer) is DynamicLayer or positions is None else min(positions, 4)
             if type(layer) is StaticLayer and positions is not None and positions > 4:  # gathered before the start
                 padding = positions - 4
                 assert torch.equal(past[:, :, :padding], torch.zeros(2, 3, padding, 2))
                 assert not valid[:, :padding].any()
                 past, valid = past[:, :, padding:], valid[:, padding:]
-            assert torch.equal(past, values[:, :, 4 - read :, 4:]) and torch.equal(valid, expected_valid)
+            assert torch.equal(past, values[:, :, 4 - read :, 4:]) and torch.equal(valid, token_mask[:, 4 - read :])
     # without a padding mask a StaticCache still says which gathered positions hold keys (a count of 0 is no past)
     assert cached_gate_state(Cache(dynamic), 0, 4, None, 2, 3)[1] is None
     holds_keys = torch.tensor([[False] * 2 + [True] * 6] * 2)

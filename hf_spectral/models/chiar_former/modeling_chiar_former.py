@@ -56,7 +56,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_chiar_former import ChiarConfig
 from ...ops.pooling import SequencePooling
-from ...ops.positions import new_positions
+from ...ops.positions import host_length, new_positions
 from ...ops.remote_code import save_pretrained_with_code
 from ...ops.random_features import (
     authors_rbf_mixing,
@@ -710,9 +710,7 @@ class ChiarModel(ChiarPreTrainedModel):
             attention_mask = next((m for m in attention_mask.values() if m is not None), None)
         past_length = self._past_length(cache, attention_mask, length)
         # A StaticCache's length is read on the host only where that is free: for the checks and the slicing below.
-        known_length = past_length
-        if isinstance(past_length, torch.Tensor):
-            known_length = int(past_length) if _host_reads_are_free(past_length) else None
+        known_length = host_length(past_length)
         if attention_mask is not None and attention_mask.ndim == 4:
             # A causal 4D mask (generate() builds one for a StaticCache): the last query sees every earlier token, so
             # its row is the padding mask (bool: True = seen; float: 0 = seen). Without a host-side length the whole

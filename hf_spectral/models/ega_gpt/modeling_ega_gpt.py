@@ -46,7 +46,7 @@ from ...ops.gated_attention import (
     replace_folded_bias,
 )
 from ...ops.pooling import SequencePooling
-from ...ops.positions import keep_padding_mask_for_generate, new_positions
+from ...ops.positions import host_length, keep_padding_mask_for_generate, new_positions
 from ...ops.remote_code import save_pretrained_with_code
 from .configuration_ega_gpt import EGAConfig
 
@@ -249,8 +249,7 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
     batch, length = shape[0], shape[1]
     if batch == 0 or length == 0:
         raise ValueError(f"{name} is empty (shape {tuple(shape)}): give at least one sequence of at least one token")
-    if isinstance(past_length, torch.Tensor):  # a StaticCache's: read where that costs no device synchronisation
-        past_length = int(past_length) if past_length.device.type == "cpu" and not is_torchdynamo_compiling() else None
+    past_length = host_length(past_length)  # a StaticCache's tensor: read only where that costs nothing
     if attention_mask is not None:
         if attention_mask.ndim == 2:
             width = f"cached + {length}" if past_length is None else past_length + length
