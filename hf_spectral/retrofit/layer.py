@@ -174,19 +174,23 @@ def gated_attention_class(stock_class: type) -> type:
     return _GATED_ATTENTION_CLASSES[stock_class]
 
 
-def set_token_mask_hook():
-    """A forward pre-hook for the decoder stack: hands its 2D padding mask to the gated attention modules listed
-    in ``decoder._energy_gated_attentions`` (a plain attribute, so that deep copies hook their own modules).
+def set_token_mask_hook(decoder):
+    """A forward pre-hook for ``decoder``, the decoder stack: hands its 2D padding mask to the gated attention modules
+    listed in ``decoder._energy_gated_attentions`` (a plain attribute, so that deep copies hook their own modules).
 
-    The mask stays set after the call, so that gradient checkpointing's recomputation sees the same one.
+    Where ``attention_mask`` sits among the decoder's arguments is read from its signature here, once: the hook
+    itself binds no signature, which a compiled graph (``torch.compile(fullgraph=True)``) could not trace after
+    generate()'s keyword arguments. The mask stays set after the call, so that gradient checkpointing's recomputation
+    sees the same one.
     """
-
-    signatures = {}
+    names = list(inspect.signature(decoder.forward).parameters)
+    position = names.index("attention_mask") if "attention_mask" in names else None
 
     def hook(module, args, kwargs):
-        signature = signatures.setdefault(type(module), inspect.signature(module.forward))
-        bound = signature.bind_partial(*args, **kwargs)
-        token_mask = padding_mask(bound.arguments.get("attention_mask"))
+        mask = kwargs.get("attention_mask")
+        if mask is None and position is not None and position < len(args):
+            mask = args[position]
+        token_mask = padding_mask(mask)
         for attention in module._energy_gated_attentions:
             attention.energy_gate_token_mask = token_mask
 

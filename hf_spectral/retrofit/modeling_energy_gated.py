@@ -148,7 +148,7 @@ def inject_energy_gates(model, family: Family, config: EnergyGateConfig) -> None
         attention.config = AttentionConfigView(model.config)
         gated.append(attention)
     decoder._energy_gated_attentions = gated
-    decoder._energy_gate_hook = decoder.register_forward_pre_hook(set_token_mask_hook(), with_kwargs=True)
+    decoder._energy_gate_hook = decoder.register_forward_pre_hook(set_token_mask_hook(decoder), with_kwargs=True)
 
 
 @torch.no_grad()

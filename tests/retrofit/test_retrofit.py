@@ -178,6 +178,24 @@ def test_a_static_cache_decoding_step_of_a_retrofitted_gpt2_has_no_graph_break(t
     assert explanation.graph_count == 1
 
 
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
+def test_a_fullgraph_compiled_retrofitted_gpt2_generates_with_a_static_cache_what_eager_generates(tmp_path):
+    """transformers' recipe for fast generation on a retrofitted model: the padding hook binds no signature, so the
+    forward compiles as one graph with generate()'s keyword arguments."""
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
+    add_energy_gates(model)
+    randomise_gates(model)
+    ids, mask, _ = padded_batch()
+    settings = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static",
+                    output_logits=True, return_dict_in_generate=True)
+    expected = model.generate(ids, **settings)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    compiled = model.generate(ids, **settings)
+    assert torch.equal(compiled.sequences, expected.sequences)
+    for a, b in zip(compiled.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_gated_attention_accepts_positional_arguments(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
     add_energy_gates(model)
