@@ -64,7 +64,8 @@ def main(argv=None):
             with torch.inference_mode():
                 model.generate(
                     data[:, :prompt], attention_mask=torch.ones_like(data[:, :prompt]), max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation=cache_implementation,
+                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                    cache_implementation=cache_implementation,
                 )
         return step
 

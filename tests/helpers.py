@@ -91,3 +91,16 @@ INDUCTOR_SKIP_REASON = (
     "ATEN_CPU_CAPABILITY is forced below the CPU's ISA: torch 2.13's Inductor (flex_attention on CPU, torch.compile) "
     "fails to compile, aborts or computes wrong values there"
 )
+
+
+def assert_fullgraph_static_generation_matches_eager(model, input_ids, attention_mask, new_tokens: int) -> None:
+    """transformers' recipe for fast generation: a StaticCache and ``model.forward`` compiled as one graph
+    (``fullgraph=True``: any graph break fails) generate the eager tokens, logits within atol 1e-5 / rtol 1e-5."""
+    settings = dict(attention_mask=attention_mask, max_new_tokens=new_tokens, do_sample=False,
+                    cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+    expected = model.generate(input_ids, **settings)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    compiled = model.generate(input_ids, **settings)
+    assert torch.equal(compiled.sequences, expected.sequences)
+    for a, b in zip(compiled.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -33,7 +33,12 @@ from hf_spectral.retrofit import (
     remove_energy_gates,
     save_energy_gates,
 )
-from tests.helpers import INDUCTOR_ISA_FORCED, INDUCTOR_SKIP_REASON, perturb_after
+from tests.helpers import (
+    INDUCTOR_ISA_FORCED,
+    INDUCTOR_SKIP_REASON,
+    assert_fullgraph_static_generation_matches_eager,
+    perturb_after,
+)
 
 VOCAB = 50
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -129,33 +134,21 @@ def test_gated_model_is_causal_and_its_cache_matches_the_forward(family, tmp_pat
     assert torch.equal(beams, uncached)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_static_cache_generation_matches_the_forward(family, tmp_path):
-    """With a StaticCache the gates read their padding from the 2D mask (which a retrofitted model keeps for the
-    forward, ``create_masks_for_generate``) and their state at the last filled key."""
-    model = AutoModelForCausalLM.from_pretrained(CHECKPOINTS[family](tmp_path / family)).eval()
-    add_energy_gates(model)
+@pytest.mark.parametrize("family, backend", [
+    ("gpt2", "sdpa"), ("llama", "sdpa"),
+    pytest.param("llama", "flex_attention", marks=pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)),
+])
+def test_static_cache_generation_matches_the_forward(family, backend, tmp_path):
+    """With a StaticCache the gates read their padding from the 2D mask, which a retrofitted model keeps for the
+    forward (``create_masks_for_generate``: under flex_attention generate() would otherwise hand it a BlockMask,
+    which has no padding to read), and their state at the last filled key."""
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINTS[family](tmp_path / family), attn_implementation=backend)
+    add_energy_gates(model.eval())
     randomise_gates(model)
     ids, mask, _ = padded_batch()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
                          output_logits=True, return_dict_in_generate=True)
     full_mask = torch.cat([mask, torch.ones(3, 4, dtype=mask.dtype)], 1)
-    full = logits(model, out.sequences, full_mask, (full_mask.cumsum(-1) - 1).clamp(min=0))
-    for step, step_logits in enumerate(out.logits):
-        torch.testing.assert_close(step_logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
-
-
-@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
-def test_static_cache_generation_under_flex_attention_keeps_the_padding(tmp_path):
-    """generate() would hand a StaticCache forward a flex BlockMask, which has no padding to read: a retrofitted model
-    takes the 2D mask instead, and its gates skip the left padding."""
-    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint(tmp_path / "llama"), attn_implementation="flex_attention")
-    add_energy_gates(model.eval())
-    randomise_gates(model)
-    ids, mask, _ = padded_batch()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static",
-                         output_logits=True, return_dict_in_generate=True)
-    full_mask = torch.cat([mask, torch.ones(3, 3, dtype=mask.dtype)], 1)
     full = logits(model, out.sequences, full_mask, (full_mask.cumsum(-1) - 1).clamp(min=0))
     for step, step_logits in enumerate(out.logits):
         torch.testing.assert_close(step_logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
@@ -180,20 +173,13 @@ def test_a_static_cache_decoding_step_of_a_retrofitted_gpt2_has_no_graph_break(t
 
 @pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
 def test_a_fullgraph_compiled_retrofitted_gpt2_generates_with_a_static_cache_what_eager_generates(tmp_path):
-    """transformers' recipe for fast generation on a retrofitted model: the padding hook binds no signature, so the
-    forward compiles as one graph with generate()'s keyword arguments."""
+    """On a retrofitted model too: the padding hook binds no signature, so the forward compiles as one graph with
+    generate()'s keyword arguments."""
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
     add_energy_gates(model)
     randomise_gates(model)
     ids, mask, _ = padded_batch()
-    settings = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static",
-                    output_logits=True, return_dict_in_generate=True)
-    expected = model.generate(ids, **settings)
-    model.forward = torch.compile(model.forward, fullgraph=True)
-    compiled = model.generate(ids, **settings)
-    assert torch.equal(compiled.sequences, expected.sequences)
-    for a, b in zip(compiled.logits, expected.logits):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_fullgraph_static_generation_matches_eager(model, ids, mask, new_tokens=3)
 
 
 def test_gated_attention_accepts_positional_arguments(tmp_path):

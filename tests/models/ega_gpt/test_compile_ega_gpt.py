@@ -8,7 +8,7 @@ from torch import nn
 from transformers import StaticCache
 
 from hf_spectral import EGAForCausalLM
-from tests.helpers import INDUCTOR_ISA_FORCED, INDUCTOR_SKIP_REASON
+from tests.helpers import INDUCTOR_ISA_FORCED, INDUCTOR_SKIP_REASON, assert_fullgraph_static_generation_matches_eager
 from tests.models.ega_gpt.test_modeling_ega_gpt import VOCAB, padded_batch, tiny_config
 
 VARIANTS = [
@@ -73,17 +73,8 @@ def test_a_static_cache_decoding_step_has_no_graph_break(variant):
 
 @pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
 def test_a_fullgraph_compiled_model_generates_with_a_static_cache_what_the_eager_one_generates():
-    """transformers' recipe for fast generation: a StaticCache and the forward compiled as one graph."""
-    model = _model("EGA-1").eval()
     ids, mask = padded_batch()
-    settings = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
-                    output_logits=True, return_dict_in_generate=True)
-    expected = model.generate(ids, **settings)
-    model.forward = torch.compile(model.forward, fullgraph=True)
-    compiled = model.generate(ids, **settings)
-    assert torch.equal(compiled.sequences, expected.sequences)
-    for a, b in zip(compiled.logits, expected.logits):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_fullgraph_static_generation_matches_eager(_model("EGA-1").eval(), ids, mask, new_tokens=4)
 
 
 @pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
