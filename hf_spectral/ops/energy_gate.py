@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .positions import host_length, host_reads_are_free
+
 NORMALIZATIONS = ("causal", "window", "none")
 ENERGY_KINDS = ("linear", "conv", "morlet", "db2", "db4")
 DEFAULT_ENERGY_NORM_EPS = 1e-5
@@ -212,17 +214,15 @@ def padding_mask(mask, length: int | torch.Tensor | None = None) -> torch.Tensor
         mask = next((m for m in mask.values() if m is not None), None)
     if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 4):
         return None
-    host_reads_are_free = mask.device.type == "cpu" and not torch.compiler.is_compiling()
     if mask.ndim == 2:
         tokens = mask.bool()
     else:
         seen = mask[:, 0, -1]
         tokens = seen if seen.dtype == torch.bool else seen == 0
-        if isinstance(length, torch.Tensor) and host_reads_are_free:
-            length = int(length)
-        if isinstance(length, int):
+        length = host_length(length)
+        if length is not None:
             tokens = tokens[:, :length]
-    if host_reads_are_free and bool(tokens.all()):
+    if host_reads_are_free(tokens) and bool(tokens.all()):
         return None
     return tokens
 

@@ -144,9 +144,7 @@ def cached_gate_state(
     no past). ``positions=None`` (every key: window statistics) reads the length on the host.
     """
     layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
-    if layer is None or (type(layer) is StaticLayer and not layer.is_initialized):
-        return None, None if token_mask is None else token_mask[:, :length]
-    if type(layer) is StaticLayer and positions is not None:
+    if type(layer) is StaticLayer and layer.is_initialized and positions is not None:
         cached = layer.get_seq_length()
         slots = cached - positions + torch.arange(positions, device=cached.device)
         inside = torch.cat([slots >= 0, torch.ones(length, dtype=torch.bool, device=cached.device)])
@@ -156,7 +154,7 @@ def cached_gate_state(
             return past, inside.expand(past.shape[0], -1)
         columns = torch.cat([slots.clamp(min=0), cached + torch.arange(length, device=cached.device)])
         return past, token_mask[:, columns] & inside
-    cached = cached_length(layer)
+    cached = 0 if layer is None else cached_length(layer)  # (an empty StaticLayer's is the int 0)
     if cached == 0:
         return None, None if token_mask is None else token_mask[:, :length]
     # Every cached key: slices of a cache's own length are views, and no slice at all where they cover everything.

@@ -3,7 +3,7 @@
 A ``DynamicCache`` knows its length on the host (an ``int``); a ``StaticCache`` keeps it as a tensor on the device,
 and reading that (``int(...)``) makes a decoding step wait for the device and breaks a compiled graph. Code that
 needs the new positions' columns of a padding mask, or their position ids, therefore indexes with the tensor where
-it is one.
+it is one, and checks or shortcuts that read values on the host run only where that is free.
 """
 
 import torch
@@ -18,12 +18,18 @@ def new_positions(per_position: torch.Tensor, past_length: int | torch.Tensor, l
     return per_position[:, past_length : past_length + length]
 
 
-def host_length(past_length: int | torch.Tensor) -> int | None:
+def host_reads_are_free(tensor: torch.Tensor) -> bool:
+    """Whether reading a value of ``tensor`` on the host costs nothing: a CPU tensor outside ``torch.compile``. On an
+    accelerator the read would wait for the device; under compilation it would break the graph."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def host_length(past_length: int | torch.Tensor | None) -> int | None:
     """``past_length`` as an ``int`` where reading it costs nothing (an ``int``; a CPU tensor outside a compiled
     graph), else ``None``: for checks and shortcuts that may be skipped on a device or under ``torch.compile``."""
     if not isinstance(past_length, torch.Tensor):
         return past_length
-    return int(past_length) if past_length.device.type == "cpu" and not torch.compiler.is_compiling() else None
+    return int(past_length) if host_reads_are_free(past_length) else None
 
 
 def keep_padding_mask_for_generate(attention_mask=None, **kwargs):
@@ -36,4 +42,4 @@ def keep_padding_mask_for_generate(attention_mask=None, **kwargs):
     return attention_mask
 
 
-__all__ = ["host_length", "keep_padding_mask_for_generate", "new_positions"]
+__all__ = ["host_length", "host_reads_are_free", "keep_padding_mask_for_generate", "new_positions"]

@@ -56,7 +56,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_chiar_former import ChiarConfig
 from ...ops.pooling import SequencePooling
-from ...ops.positions import host_length, new_positions
+from ...ops.positions import host_length, host_reads_are_free, new_positions
 from ...ops.remote_code import save_pretrained_with_code
 from ...ops.random_features import (
     authors_rbf_mixing,
@@ -140,12 +140,6 @@ class ChiarSequenceClassifierOutputWithPast(SequenceClassifierOutputWithPast):
     routing_fractions: tuple[torch.FloatTensor, ...] | None = None
     router_probabilities: tuple[torch.FloatTensor, ...] | None = None
     aux_loss: torch.FloatTensor | None = None
-
-
-def _host_reads_are_free(tensor: torch.Tensor) -> bool:
-    """Whether reading a value of ``tensor`` on the host costs nothing: a CPU tensor outside ``torch.compile``. On an
-    accelerator the read would wait for the device; under compilation it would break the graph."""
-    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 class ChiarRotaryEmbedding(LlamaRotaryEmbedding):
@@ -376,7 +370,7 @@ class ChiarAttention(nn.Module):
         latest query reads. Only where the prefix lengths can be read for free (eager mode on CPU) and for the
         backends that compute every (query, key) pair they are given (SDPA with a mask, eager): ≈ (1 + 1/n) / 2 of
         the pairs with n groups. flex_attention's block mask already skips each block's future."""
-        if not self.is_causal or implementation not in ("sdpa", "eager") or not _host_reads_are_free(query_slots):
+        if not self.is_causal or implementation not in ("sdpa", "eager") or not host_reads_are_free(query_slots):
             return 1
         return max(1, min(KEY_PREFIX_CHUNKS, query_slots.shape[1] // KEY_PREFIX_MIN_QUERIES))
 
@@ -481,7 +475,7 @@ def routed_capacity(selected: torch.Tensor) -> int:
     Where reading the count costs nothing (CPU, eager mode): the largest count of the batch, so that projections and
     attention process only the routed rows. Elsewhere (accelerators, ``torch.compile``): T, a static shape that
     needs no host read."""
-    if not _host_reads_are_free(selected):
+    if not host_reads_are_free(selected):
         return selected.shape[1]
     return int(selected.sum(1).max())
 
@@ -731,7 +725,7 @@ class ChiarModel(ChiarPreTrainedModel):
                 )
             key_valid = attention_mask.bool()
             # Without padding every padding mask and fix-up is skipped; read where that costs no synchronisation.
-            if _host_reads_are_free(key_valid) and bool(key_valid.all()):
+            if host_reads_are_free(key_valid) and bool(key_valid.all()):
                 key_valid = None
             else:
                 token_valid = new_positions(key_valid, past_length, length)
@@ -786,7 +780,7 @@ class ChiarModel(ChiarPreTrainedModel):
                 f"{tuple(position_ids.shape)}"
             )
         # A value check reads the tensor: done where that costs no synchronisation (CPU, eager mode).
-        if _host_reads_are_free(position_ids) and bool((position_ids < 0).any()):
+        if host_reads_are_free(position_ids) and bool((position_ids < 0).any()):
             raise ValueError(
                 f"position_ids must be >= 0, got a minimum of {int(position_ids.min())} in position_ids of shape "
                 f"{tuple(position_ids.shape)}"
