@@ -94,13 +94,26 @@ INDUCTOR_SKIP_REASON = (
 
 
 def assert_fullgraph_static_generation_matches_eager(model, input_ids, attention_mask, new_tokens: int) -> None:
-    """transformers' recipe for fast generation: a StaticCache and ``model.forward`` compiled as one graph
-    (``fullgraph=True``: any graph break fails) generate the eager tokens, logits within atol 1e-5 / rtol 1e-5."""
+    """transformers' fast generation, both ways, with a StaticCache and the model compiled as one graph
+    (``fullgraph=True``: any graph break fails), generates the eager tokens, logits within atol 1e-5 / rtol 1e-5:
+    the compilation ``generate()`` applies by itself on a GPU (its ``CompileConfig``, forced here on the CPU),
+    then the documented recipe, ``model.forward`` under ``torch.compile``."""
+    from transformers import CompileConfig
+
     settings = dict(attention_mask=attention_mask, max_new_tokens=new_tokens, do_sample=False,
                     cache_implementation="static", output_logits=True, return_dict_in_generate=True)
     expected = model.generate(input_ids, **settings)
+    # Compiled code is cached per code object, and transformers' forward decorators share theirs across models:
+    # earlier tests' entries would count against dynamo's recompilation limit.
+    torch._dynamo.reset()
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # generate() compiles by itself only on accelerators
+    auto_compiled = model.generate(input_ids, compile_config=compile_config, **settings)
+    assert "_compiled_call" in vars(model), "generate() did not compile the model"
+    del model._compiled_call
     model.forward = torch.compile(model.forward, fullgraph=True)
     compiled = model.generate(input_ids, **settings)
-    assert torch.equal(compiled.sequences, expected.sequences)
-    for a, b in zip(compiled.logits, expected.logits):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for outputs in (auto_compiled, compiled):
+        assert torch.equal(outputs.sequences, expected.sequences)
+        for a, b in zip(outputs.logits, expected.logits):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
