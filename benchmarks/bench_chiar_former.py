@@ -25,9 +25,11 @@ against it and, where it is missed, by how much and the measured reasons (routed
     python benchmarks/bench_chiar_former.py                         # full run, prints the table and the verdict
     python benchmarks/bench_chiar_former.py --quick                 # T = 256 / 512, SDPA, 1 thread
     python benchmarks/bench_chiar_former.py --write results/benchmarks   # also write chiar_former.{json,md}
+    python benchmarks/bench_chiar_former.py --runs 3 --write results/benchmarks   # medians of 3 fresh processes
 """
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -37,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.timing import records_of_fresh_runs  # noqa: E402
 from hf_spectral import ChiarConfig, ChiarForCausalLM  # noqa: E402
 from hf_spectral.models.chiar_former import calibrate_thresholds, count_flops  # noqa: E402
 from hf_spectral.ops.routing import routed_layout  # noqa: E402
@@ -254,6 +257,22 @@ def verdict(rows: list[dict]) -> list[str]:
     return lines
 
 
+def median_of_runs(runs: int) -> list[dict]:
+    """This benchmark with the same options in ``runs`` fresh processes: one row per (backend, threads, T) with the
+    median of every measured value over the runs, and each run's forward speed-up beside it."""
+    records = records_of_fresh_runs(__file__, sys.argv[1:], runs, "--write")
+    rows = []
+    for group in zip(*(record["rows"] for record in records)):  # each run measures the same (backend, threads, T)s
+        row = dict(group[0])
+        for key, value in row.items():
+            if isinstance(value, float):
+                values = [r[key] for r in group]
+                row[key] = math.nan if any(math.isnan(v) for v in values) else statistics.median(values)
+        row["fwd_speedup_per_run"] = " / ".join(f"{r['fwd_speedup']:.3f}" for r in group)
+        rows.append(row)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
@@ -271,20 +290,26 @@ def main():
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--quick", action="store_true", help="T = 256 and 512, SDPA, 1 thread, 3 repeats")
     parser.add_argument("--write", metavar="DIR", help="also write chiar_former.json / .md into DIR")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="repeat the whole benchmark in this many fresh processes and report each measurement's "
+                        "median (single runs on a shared machine move by several points)")
     args = parser.parse_args()
     if args.quick:
         args.seq_lens, args.repeats, args.backends, args.threads = [256, 512], 3, ["sdpa"], [1]
     load_before = os.getloadavg()
-    rows = []
-    for threads in dict.fromkeys(args.threads):
-        torch.set_num_threads(threads)
-        for implementation in args.backends:
-            for seq_len in args.seq_lens:
-                started = time.perf_counter()
-                torch._dynamo.reset()  # flex_attention compiled afresh for each shape (no dynamic-shape kernel)
-                rows.append(bench(seq_len, implementation, args))
-                print(f"{implementation} threads={threads} T={seq_len} ({time.perf_counter() - started:.0f}s): {rows[-1]}",
-                      flush=True)
+    if args.runs > 1:
+        rows = median_of_runs(args.runs)
+    else:
+        rows = []
+        for threads in dict.fromkeys(args.threads):
+            torch.set_num_threads(threads)
+            for implementation in args.backends:
+                for seq_len in args.seq_lens:
+                    started = time.perf_counter()
+                    torch._dynamo.reset()  # flex_attention compiled afresh for each shape (no dynamic-shape kernel)
+                    rows.append(bench(seq_len, implementation, args))
+                    print(f"{implementation} threads={threads} T={seq_len} ({time.perf_counter() - started:.0f}s): "
+                          f"{rows[-1]}", flush=True)
     load_after = os.getloadavg()
     lines = verdict(rows)
     print("\n".join(lines))
@@ -294,7 +319,9 @@ def main():
 
     from training.results import write_results
 
-    notes = "\n".join(["## Verdict", "", *[f"- {line}" for line in lines], "", ANALYSIS,
+    runs = (f"Every value is the median over {args.runs} runs of the benchmark, each in a fresh process "
+            "(`fwd_speedup_per_run`: each run's forward speed-up).\n\n") if args.runs > 1 else ""
+    notes = "\n".join([runs + "## Verdict", "", *[f"- {line}" for line in lines], "", ANALYSIS,
                        f"Load average (1, 5, 15 min) before: {load_before}, after: {load_after}."])
     write_results(
         args.write,

@@ -37,7 +37,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import folded_head_kernels, peak_rss_growth_mib, speed_ratio, time_alternating  # noqa: E402
+from benchmarks.timing import (  # noqa: E402
+    folded_head_kernels,
+    peak_rss_growth_mib,
+    records_of_fresh_runs,
+    speed_ratio,
+    time_alternating,
+)
 
 SIZE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, vocab_size=65)
 SPEED_TARGET, MEMORY_TARGET = 0.95, 1.10
@@ -63,6 +69,9 @@ REASONS = {
     "flex_attention for static shapes (with dynamic ones torch 2.13's CPU flex template cannot build kernels reading "
     "a captured tensor), so every new key length recompiles and, past dynamo's recompilation limit, runs "
     "uncompiled: short runs are dominated by compilation",
+    "generate_flex_attention_static": "the gate's per-step ops, eager around the compiled flex kernel as under "
+    "SDPA (a gated layer's decoding step dispatches {gated} torch ops against the ungated layer's {ungated}, counted "
+    "under SDPA in this run); with a StaticCache the flex kernel compiles once per shape for both models",
 }
 
 
@@ -184,10 +193,12 @@ def peak_memory(name, batch, length, backend, threads):
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
 
 
-def verdict_line(label: str, ratio: float, baseline: str, backend: str = "sdpa") -> str:
+def verdict_line(label: str, ratio: float, baseline: str, backend: str = "sdpa", cache: str = "dynamic") -> str:
     kind = "memory" if label.startswith("peak") else label.split("_")[0]
-    if f"{kind}_{backend}" in REASONS:
-        kind = f"{kind}_{backend}"
+    for specific in (f"{kind}_{backend}_{cache}", f"{kind}_{backend}"):
+        if specific in REASONS:
+            kind = specific
+            break
     if kind.startswith("memory"):
         met = ratio <= MEMORY_TARGET
         line = f"{label}: {ratio:.3f}× {baseline} (target ≤ {MEMORY_TARGET})"
@@ -196,7 +207,9 @@ def verdict_line(label: str, ratio: float, baseline: str, backend: str = "sdpa")
         met = ratio >= SPEED_TARGET
         line = f"{label}: {ratio:.3f}× {baseline} (target ≥ {SPEED_TARGET})"
         miss = f"short by {100 * (SPEED_TARGET - ratio):.1f} points"
-    reason = REASONS[kind].format(**decode_step_op_counts()) if kind == "generate" else REASONS[kind]
+    reason = REASONS[kind]
+    if "{gated}" in reason:
+        reason = reason.format(**decode_step_op_counts())
     return f"{line} met" if met else f"{line} MISSED, {miss}: {reason}"
 
 
@@ -219,21 +232,9 @@ def results_name(args) -> str:
 def aggregate_runs(args):
     """Run this benchmark ``args.runs`` times, each in a fresh process, and write one table of the judged ratio of
     every (threads, backend, measurement, model): its median over the runs, its range and each run's value."""
-    import tempfile
-
     from training.results import write_results
 
-    argv = sys.argv[1:]
-    at = argv.index("--runs")
-    child_argv = argv[:at] + argv[at + 2:]  # the same options, once per process
-    runs = []
-    with tempfile.TemporaryDirectory() as folder:
-        for run in range(args.runs):
-            out = os.path.join(folder, str(run))
-            subprocess.run([sys.executable, os.path.abspath(__file__), *child_argv, "--out", out], check=True)
-            (name,) = [f for f in os.listdir(out) if f.endswith(".json")]
-            with open(os.path.join(out, name)) as file:
-                runs.append(json.load(file))
+    runs = records_of_fresh_runs(__file__, sys.argv[1:], args.runs, "--out")
     judged = {}  # (threads, backend, measurement, model) -> ratio per run; 1 thread: CPU time, otherwise wall
     for record in runs:
         for row in record["rows"]:
@@ -250,8 +251,8 @@ def aggregate_runs(args):
         spread = f"median of {len(ratios)} runs, range {min(ratios):.3f}-{max(ratios):.3f}"
         baseline = "gpt2" if backend == "sdpa" else "ega_base"
         if model == "ega":
-            verdicts.append(f"[{backend}, threads {threads}] " + verdict_line(measurement, median, baseline, backend)
-                            + f" ({spread})")
+            line = verdict_line(measurement, median, baseline, backend, args.cache)
+            verdicts.append(f"[{backend}, threads {threads}] {line} ({spread})")
         elif model == "ega_compiled_gate":
             verdicts.append(f"[{backend}, threads {threads}] {compiled_gate_line(measurement, median, baseline)} "
                             f"({spread})")
@@ -266,11 +267,11 @@ def aggregate_runs(args):
         "run's value beside it): the ratio judged in each run, from CPU time at 1 thread and from wall-clock time "
         "with several threads, throughput(model) / throughput(baseline) (> 1 faster; memory: peak(model) / "
         "peak(baseline), < 1 smaller). Baseline: GPT2LMHeadModel under sdpa; EGA-GPT without gates (`ega_base`) "
-        f"under flex_attention. Size: {json.dumps(SIZE)}; `ega` = EGA-1, causal statistics, every layer gated; "
-        "`ega_compiled_gate` = the same with each gate's forward under torch.compile (not the default path); "
-        "`compiled-generate_*`: generation with a StaticCache and every model's forward under "
-        "torch.compile(fullgraph=True); "
-        "`head_32` / `head_33`: torch's SDPA kernel alone at the model's head size and at the folded one.\n\n"
+        f"under flex_attention; generation cache: `{args.cache}` for every model. Size: {json.dumps(SIZE)}; `ega` = "
+        "EGA-1, causal statistics, every layer gated; `ega_compiled_gate` = the same with each gate's forward under "
+        "torch.compile (not the default path); `compiled-generate_*`: generation with a StaticCache and every "
+        "model's forward under torch.compile(fullgraph=True); `head_32` / `head_33`: torch's SDPA kernel alone at "
+        "the model's head size and at the folded one.\n\n"
         "Targets for `ega`:\n" + "\n".join(f"- {v}" for v in verdicts)
     )
     first = runs[0]
@@ -357,8 +358,11 @@ def main():
                     print(verdicts[-1], flush=True)
                     continue
                 context = max(setting.get("length", 256), 256)
+                if setting["kind"] == "compiled-generate" or backend == "flex_attention":
+                    # Each setting compiles its own graphs (flex_attention's kernel, compiled forwards): a fresh
+                    # recompilation budget, so that no setting runs uncompiled for the settings measured before it.
+                    torch._dynamo.reset()
                 if setting["kind"] == "compiled-generate":
-                    torch._dynamo.reset()  # each batch size compiles its own graphs: stay below the recompile limit
                     names_here = [n for n in names if n != "ega_compiled_gate"]
                     models = {name: compile_for_generation(build(name, context, backend)) for name in names_here}
                 else:
@@ -385,7 +389,8 @@ def main():
                 ega = rows[-1]
                 # Several threads: process CPU time counts busy-waiting threads; wall-clock is the measure there.
                 ratio = ega["ratio_vs_baseline"] if threads == 1 else ega["wall_ratio_vs_baseline"]
-                verdicts.append(f"[{backend}, threads {thread_label}] " + verdict_line(label, ratio, baseline, backend))
+                line = verdict_line(label, ratio, baseline, backend, args.cache)
+                verdicts.append(f"[{backend}, threads {thread_label}] {line}")
                 print(verdicts[-1], flush=True)
                 if "ega_compiled_gate" in fns:
                     compiled = rows[-2]["ratio_vs_baseline" if threads == 1 else "wall_ratio_vs_baseline"]

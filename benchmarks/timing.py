@@ -6,7 +6,12 @@ allocator warm-up hit every model alike. Each call is timed twice: wall-clock, a
 process's own work, so its ratios hold on a machine shared with other jobs, where wall-clock ratios drift.
 """
 
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 
@@ -69,3 +74,26 @@ def peak_rss_growth_mib(step) -> float:
     step()
     step()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+
+
+def records_of_fresh_runs(script: str, argv: list[str], runs: int, out_option: str) -> list[dict]:
+    """Run the benchmark ``script`` ``runs`` times, each in a fresh process, with the options ``argv`` (less its
+    ``--runs`` and ``out_option``) and its results written into a temporary folder through ``out_option``; return
+    each run's JSON record. Ratios taken in one process on a shared machine move by several points in the next."""
+    options, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--runs", out_option):
+            skip = True
+        elif not arg.startswith(("--runs=", out_option + "=")):
+            options.append(arg)
+    records = []
+    with tempfile.TemporaryDirectory() as folder:
+        for run in range(runs):
+            out = os.path.join(folder, str(run))
+            subprocess.run([sys.executable, os.path.abspath(script), *options, out_option, out], check=True)
+            (name,) = [f for f in os.listdir(out) if f.endswith(".json")]
+            with open(os.path.join(out, name)) as file:
+                records.append(json.load(file))
+    return records
