@@ -95,10 +95,10 @@ def main(argv=None):
         args.out, "retrofit_gpt2_quick" if args.quick else "retrofit_gpt2", rows,
         title=f"Retrofitted GPT-2 vs the original: {args.runs} runs" if args.runs > 1 else
         "Retrofitted GPT-2 vs the original, same run",
-        config={"gpt2": config.to_diff_dict(), "batch": batch,
-        "length": length, "prompt": prompt, "new_tokens": new_tokens, "repeats": repeats, "threads": args.threads,
-        "compiled_generation": args.compiled_generation, "runs": args.runs}, seeds=[0], notes=notes,
-        extra={"sizes": sizes},
+        config={"gpt2": config.to_diff_dict(), "batch": batch, "length": length, "prompt": prompt,
+                "new_tokens": new_tokens, "repeats": repeats, "threads": args.threads,
+                "compiled_generation": args.compiled_generation, "runs": args.runs},
+        seeds=[0], notes=notes, extra={"sizes": sizes},
     )
     print(notes)
 
