@@ -42,6 +42,7 @@ from benchmarks.timing import (  # noqa: E402
     peak_rss_growth_mib,
     records_of_fresh_runs,
     speed_ratio,
+    spread_over_runs,
     time_alternating,
 )
 
@@ -244,10 +245,9 @@ def aggregate_runs(args):
     rows, verdicts = [], []
     plain_head = f"head_{SIZE['hidden_size'] // SIZE['num_attention_heads']}"
     for (threads, backend, measurement, model), ratios in judged.items():
-        median = statistics.median(ratios)
         rows.append({"threads": threads, "backend": backend, "measurement": measurement, "model": model,
-                     "median_ratio": median, "min_ratio": min(ratios), "max_ratio": max(ratios),
-                     "per_run": " / ".join(f"{r:.3f}" for r in ratios)})
+                     **spread_over_runs(ratios)})
+        median = rows[-1]["median_ratio"]
         spread = f"median of {len(ratios)} runs, range {min(ratios):.3f}-{max(ratios):.3f}"
         baseline = "gpt2" if backend == "sdpa" else "ega_base"
         if model == "ega":

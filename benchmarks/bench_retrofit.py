@@ -26,6 +26,7 @@ from benchmarks.timing import (  # noqa: E402
     folded_head_kernels,
     records_of_fresh_runs,
     speed_ratio,
+    spread_over_runs,
     time_alternating,
 )
 
@@ -107,11 +108,10 @@ def median_rows(records: list[dict]) -> list[dict]:
     """One row per (measurement, model) of several runs: the median ratio, its range and each run's value."""
     rows = []
     for group in zip(*(record["rows"] for record in records)):  # every run measures the same rows in order
-        ratios = [row["ratio_vs_original"] for row in group]
+        spread = spread_over_runs([row["ratio_vs_original"] for row in group])
         rows.append({
             "measurement": group[0]["measurement"], "model": group[0]["model"],
-            "ratio_vs_original": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
-            "per_run": " / ".join(f"{ratio:.3f}" for ratio in ratios),
+            "ratio_vs_original": spread.pop("median_ratio"), **spread,
             "wall_ratio_vs_original": statistics.median(row["wall_ratio_vs_original"] for row in group),
         })
     return rows

@@ -97,3 +97,9 @@ def records_of_fresh_runs(script: str, argv: list[str], runs: int, out_option: s
             with open(os.path.join(out, name)) as file:
                 records.append(json.load(file))
     return records
+
+
+def spread_over_runs(ratios: list[float]) -> dict:
+    """A ratio measured once per run: its median, range and each run's value (``per_run``, 3 decimals)."""
+    return {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
+            "per_run": " / ".join(f"{ratio:.3f}" for ratio in ratios)}
