@@ -10,7 +10,9 @@
 #
 # It installs nothing from a registry: the repository goes on PYTHONPATH and runs on the interpreter's own torch,
 # transformers and pytest. A package missing there can be brought as wheels in .whl/ (installed with --no-index
-# into a temporary folder). Every step has its own time limit; what was measured is kept if a later step fails.
+# into a temporary folder), e.g. transformers >= 5.24 where the interpreter's is older (hf_spectral refuses it on
+# import): `pip download --no-deps transformers==5.24.0 -d .whl`. Every step has its own time limit; what was
+# measured is kept if a later step fails.
 #
 # Environment:
 #   PYTHON               interpreter with a CUDA build of torch (default: python3)
@@ -107,7 +109,8 @@ print('transformers', transformers.__version__)
             return 2 ;;
         11)
             say "STOP: hf_spectral does not import with this interpreter (error above). Nothing can be fetched"
-            say "      here: bring the missing package as wheels in .whl/ (see the device notes), then run again."
+            say "      here: bring the missing or too old package (transformers >= 5.24) as wheels in .whl/ (see"
+            say "      the device notes), then run again."
             return 3 ;;
         *)
             say "STOP: '$PY' cannot import torch (exit $probe_status). Set PYTHON to the interpreter that holds the"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.dynamic_module_utils import get_imports, get_relative_import_files
 
@@ -570,3 +571,17 @@ def test_model_card_usage_blocks_run_without_the_plugin(tmp_path):
         assert result.returncode == 0, f"{name}:\n{block}\n{result.stderr[-3000:]}"
         assert result.stdout.strip(), name
     assert "ChiarForCausalLM CharTokenizer" in result.stdout
+
+
+def test_an_older_transformers_is_refused_on_import_naming_both_versions():
+    remote_code.check_transformers_version(transformers.__version__)  # the installed one passes
+    remote_code.check_transformers_version(remote_code.MINIMUM_TRANSFORMERS)
+    with pytest.raises(ImportError, match=r"need transformers >= 5\.24\.0, but transformers 5\.23\.0 is installed"):
+        remote_code.check_transformers_version("5.23.0")
+
+
+def test_the_declared_transformers_floor_is_the_one_the_code_checks():
+    setup_cfg = (PACKAGE.parent / "setup.cfg").read_text()
+    floor = re.search(r"^\s*transformers>=([\d.]+),<6\s*$", setup_cfg, re.MULTILINE)
+    assert floor is not None, "setup.cfg must declare transformers>=X,<6"
+    assert Version(floor.group(1)) == Version(remote_code.MINIMUM_TRANSFORMERS)

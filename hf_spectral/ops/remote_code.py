@@ -26,6 +26,8 @@ import re
 import sys
 from pathlib import Path
 
+import transformers
+
 AUTO_MODEL_CLASSES = ("AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
 
 # Which Auto class a modeling class belongs to, by the suffix of its name (transformers' naming convention).
@@ -43,6 +45,26 @@ _PACKAGE_CHECKED = _PACKAGE not in ("transformers_modules", __name__)
 
 CONFIG_FILE = "config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+# The models call transformers' masks, caches and model outputs by the names transformers 5.24 gave them
+# (`create_causal_mask(cache=...)`, `outputs.cache`); before it they were `past_key_values`.
+MINIMUM_TRANSFORMERS = "5.24.0"
+
+
+def check_transformers_version(version: str) -> None:
+    """Raise an ``ImportError`` naming both versions when transformers ``version`` is older than the models need.
+    Every configuration and modeling file imports this file, in the package and in a saved checkpoint's code, so an
+    old transformers is refused on import instead of failing inside a forward pass."""
+    from packaging.version import Version
+
+    if Version(version) < Version(MINIMUM_TRANSFORMERS):
+        raise ImportError(
+            f"hf_spectral's models need transformers >= {MINIMUM_TRANSFORMERS}, but transformers {version} is "
+            f'installed: pip install -U "transformers>={MINIMUM_TRANSFORMERS},<6"'
+        )
+
+
+check_transformers_version(transformers.__version__)
 
 
 class RemoteCodeError(ValueError):
