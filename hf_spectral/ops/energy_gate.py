@@ -162,7 +162,12 @@ def log_gate_bias(
     if z.shape[-2] == 1:  # one scale: the mixture is the gate itself, and α = 0 gives logsigmoid(±0) twice: bias 0
         alpha, tau = alpha.float(), tau.float()  # (H, 1), broadcasting against (B, H, T)
         log_gate = F.logsigmoid(alpha * (z[:, :, 0] - tau))
-        return log_gate - F.logsigmoid(alpha * -tau), log_gate.exp()
+        bias = log_gate - F.logsigmoid(alpha * -tau)
+        if torch.is_grad_enabled() and mix_logits.requires_grad:
+            # log_softmax of one logit is exactly 0 (x − x): the bias keeps its bits, and the mixing logit stays in
+            # the graph with its zero gradient, which DistributedDataParallel (find_unused_parameters=False) needs.
+            bias = bias + torch.log_softmax(mix_logits.float(), dim=-1)
+        return bias, log_gate.exp()
     alpha, tau = alpha.float()[..., None], tau.float()[..., None]  # (H, S, 1)
     log_mix = torch.log_softmax(mix_logits.float(), dim=-1)[..., None]
     log_gate = torch.logsumexp(log_mix + F.logsigmoid(alpha * (z - tau)), dim=-2)  # (B, H, T)

@@ -424,3 +424,20 @@ def test_a_compiled_retrofitted_gpt2_trains_and_infers_like_eager(tmp_path):
     for (name, a), (_, b) in zip(compiled_model.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     assert any(".energy_gate." in name for name, p in eager.named_parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_every_gate_parameter_gets_a_gradient_for_data_parallel_training(tmp_path, family):
+    """With only the gates trainable, each of them must be in the graph (DistributedDataParallel's default refuses
+    a parameter without a gradient), a one-scale gate's mixing logit included."""
+    if family == "gpt2":
+        model = GPT2LMHeadModel.from_pretrained(gpt2_checkpoint(tmp_path))
+    else:
+        model = LlamaForCausalLM.from_pretrained(llama_checkpoint(tmp_path))
+    add_energy_gates(model, EnergyGateConfig(energy_kind="linear"))
+    assert mark_only_gates_trainable(model) > 0
+    ids, mask, _ = padded_batch()
+    model.train()(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert any(name.endswith("mix_logits") for name in trainable)
+    assert [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None] == []

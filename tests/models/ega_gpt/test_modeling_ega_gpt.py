@@ -490,6 +490,16 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", list(KINDS))
+def test_every_trainable_parameter_gets_a_gradient(variant):
+    """DistributedDataParallel's default (find_unused_parameters=False) fails at the second step on a parameter
+    outside the graph, such as a one-scale gate's mixing logit, whose gradient is exactly 0."""
+    model = tiny_model(variant).train()
+    ids, mask = padded_batch()
+    model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    assert [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
+
+
 def test_bfloat16_loading_and_training_step(tmp_path):
     tiny_model("EGA-1").save_pretrained(tmp_path)
     model = EGAForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
