@@ -512,7 +512,7 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
     from .callbacks import GracefulInterruptCallback, StopAfterStepsCallback
     from .data import fixed_subset
     from .presets import training_arguments
-    from .runs import barrier, hub_repo_id, is_main_process, open_run_dir, write_json
+    from .runs import barrier, check_replicas_agree, hub_repo_id, is_main_process, open_run_dir, write_json
     from .trainer import last_complete_checkpoint, remove_checkpoints
 
     run_dir, done = open_run_dir(output_dir, arm.name, args.restart)
@@ -531,7 +531,9 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
         push_to_hub=args.push_to_hub or None, hub_model_id=hub_model_id, hub_token=args.hub_token,
         hub_private_repo=args.hub_private_repo, hub_strategy=args.hub_strategy,
         dataloader_drop_last=task.kind == "lm",
-        **training_overrides,
+        # A routed layer's operator that no token of a process's batch chose gets no gradient there, which
+        # DistributedDataParallel refuses unless told to look for unused parameters.
+        **{"ddp_find_unused_parameters": bool(model.config.routed_layers), **training_overrides},
     )
     callbacks = [GracefulInterruptCallback(), timer]
     interrupt = callbacks[0]
@@ -584,6 +586,7 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
         print(f"[{arm.name}] resuming from {checkpoint}", flush=True)
     started = time.time()
     trainer.train(resume_from_checkpoint=checkpoint)
+    check_replicas_agree(trainer.model)
     if trainer.state.global_step < preset.max_steps:
         print(f"[{arm.name}] stopped at step {trainer.state.global_step}/{preset.max_steps} "
               f"({interrupt.interrupted_by or '--stop_after_steps'}); checkpoint in {run_dir}. "

@@ -81,6 +81,13 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def has_accelerator() -> bool:
+    """Whether torch sees an accelerator (CUDA, XPU, MPS, ...) that accelerate would train on."""
+    import torch
+
+    return torch.accelerator.current_accelerator() is not None
+
+
 def training_arguments(preset: LMPreset, output_dir: str, seed: int, **overrides):
     """``TrainingArguments`` for one run of ``preset``: AdamW, warm-up + cosine, clipping, step-based
     evaluation / checkpointing, progress bars, no external loggers (``report_to`` can turn them on)."""
@@ -119,6 +126,9 @@ def training_arguments(preset: LMPreset, output_dir: str, seed: int, **overrides
         prediction_loss_only=False,
         disable_tqdm=False,
         dataloader_pin_memory=torch.cuda.is_available(),
+        # Without an accelerator, accelerate (>= 1.13) makes a torchrun process group data-parallel only when told
+        # to use the CPU; otherwise every process would train its own copy of the model on its share of the data.
+        use_cpu=processes > 1 and not has_accelerator(),
         # CPU processes talk through gloo; NCCL is used when every process has a GPU.
         ddp_backend=None if torch.cuda.is_available() else ("gloo" if processes > 1 else None),
         ddp_find_unused_parameters=False,

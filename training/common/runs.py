@@ -130,6 +130,28 @@ def build_trainer(model, run_dir: str, preset: LMPreset, seed: int, train_set, c
     return trainer, interrupt
 
 
+def check_replicas_agree(model) -> None:
+    """In a multi-process run, raise unless every process holds the same weights: a data-parallel run keeps them
+    identical, while processes that were never joined (a launcher or accelerate setting gone wrong) would each have
+    trained their own model and only the first one's would be saved. Exact: data-parallel replicas apply the same
+    averaged gradients to the same weights."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        local = torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu()
+    replicas = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(replicas, local)
+    differing = [rank for rank, weights in enumerate(replicas) if not torch.equal(weights, replicas[0])]
+    if differing:
+        raise RuntimeError(
+            f"the {dist.get_world_size()} processes ended training with different weights (processes {differing} "
+            "differ from process 0): the run was not data-parallel. On a machine without an accelerator, "
+            "accelerate needs `use_cpu=True` to join torchrun's processes."
+        )
+
+
 def train_or_resume(trainer, interrupt, run_dir: str, max_steps: int) -> dict | None:
     """Train, resuming from the newest complete checkpoint of ``run_dir``. Returns timing facts, or None when the
     run stopped early (signal, ``--stop_after_steps``) with a checkpoint to resume from."""
@@ -139,6 +161,7 @@ def train_or_resume(trainer, interrupt, run_dir: str, max_steps: int) -> dict | 
         print(f"[{name}] resuming from {checkpoint}", flush=True)
     started = time.time()
     output = trainer.train(resume_from_checkpoint=checkpoint)
+    check_replicas_agree(trainer.model)
     if trainer.state.global_step < max_steps:
         print(f"[{name}] stopped at step {trainer.state.global_step}/{max_steps} "
               f"({interrupt.interrupted_by or '--stop_after_steps'}); checkpoint in {run_dir}. "
