@@ -260,3 +260,22 @@ def test_reproduction_plan_and_tables_from_finished_runs(tmp_path, capsys):
     # threshold seed 0: 6.0 at its last point (10 s); seed 1: 7.0 at 6 s, 6.0 at 12 s -> 6.333 at 10 s.
     assert rows["threshold"]["curve_at_equal_time_mean"] == pytest.approx((6.0 + 7.0 - 4.0 / 6.0) / 2)
     assert table["missing_runs"] == ["hard-seed0", "hard-seed1"]
+
+
+def test_a_routed_run_trains_data_parallel_under_torchrun(wikitext_run, tmp_path):
+    """Two CPU processes, threshold routing: the recipe fails unless both end with the same weights
+    (runs.check_replicas_agree)."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copytree(wikitext_run["out"] / "tokenizer", tmp_path / "tokenizer")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "training.wikitext", "--smoke",
+               "--data_path", str(wikitext_run["data"]), "--output_dir", str(tmp_path), "--arms", "threshold",
+               "--threads", "1", "--no_plots"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    environment = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, cwd=root, env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert _summary(tmp_path / "threshold-seed0")["thresholds"]

@@ -586,7 +586,7 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
         print(f"[{arm.name}] resuming from {checkpoint}", flush=True)
     started = time.time()
     trainer.train(resume_from_checkpoint=checkpoint)
-    check_replicas_agree(trainer.model)
+    check_replicas_agree(trainer)
     if trainer.state.global_step < preset.max_steps:
         print(f"[{arm.name}] stopped at step {trainer.state.global_step}/{preset.max_steps} "
               f"({interrupt.interrupted_by or '--stop_after_steps'}); checkpoint in {run_dir}. "

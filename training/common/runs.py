@@ -130,17 +130,19 @@ def build_trainer(model, run_dir: str, preset: LMPreset, seed: int, train_set, c
     return trainer, interrupt
 
 
-def check_replicas_agree(model) -> None:
-    """In a multi-process run, raise unless every process holds the same weights: a data-parallel run keeps them
-    identical, while processes that were never joined (a launcher or accelerate setting gone wrong) would each have
-    trained their own model and only the first one's would be saved. Exact: data-parallel replicas apply the same
-    averaged gradients to the same weights."""
+def check_replicas_agree(trainer) -> None:
+    """In a data-parallel run of several processes, raise unless every process holds the same weights: replicas
+    apply the same averaged gradients to the same weights, while processes that were never joined (a launcher or
+    accelerate setting gone wrong) would each have trained their own model, and only the first one's would be
+    saved. Sharded runs (FSDP, DeepSpeed) hold different shards by design and are not checked."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    with torch.no_grad():
-        local = torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu()
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        return
+    with torch.no_grad():  # on the parameters' device: NCCL gathers CUDA tensors only
+        local = torch.stack([p.detach().double().sum() for p in trainer.model.parameters()])
     replicas = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(replicas, local)
     differing = [rank for rank, weights in enumerate(replicas) if not torch.equal(weights, replicas[0])]
@@ -161,7 +163,7 @@ def train_or_resume(trainer, interrupt, run_dir: str, max_steps: int) -> dict | 
         print(f"[{name}] resuming from {checkpoint}", flush=True)
     started = time.time()
     output = trainer.train(resume_from_checkpoint=checkpoint)
-    check_replicas_agree(trainer.model)
+    check_replicas_agree(trainer)
     if trainer.state.global_step < max_steps:
         print(f"[{name}] stopped at step {trainer.state.global_step}/{max_steps} "
               f"({interrupt.interrupted_by or '--stop_after_steps'}); checkpoint in {run_dir}. "
