@@ -2,12 +2,26 @@
 
 import os
 import random
+import sys
 
 import pytest
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_DATA = os.environ.get("HF_SPECTRAL_DATA", "/work/shared/data")
 WORDS = ("the king my lord shall speak to thee and all that love him now hath come upon our gentle "
          "duke of york whose sword is true good night sweet prince what say you then").split()
+
+
+def recipe_environment() -> dict:
+    """Environment of a recipe run in a subprocess: the checkout importable, one thread, no Hub."""
+    return {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def torchrun_two_cpu_processes(module: str, *args: str) -> list[str]:
+    """The command that runs ``python -m module args`` in two CPU processes under torchrun (``--standalone`` binds
+    a free rendezvous port itself: picking one here first could race another run)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--standalone", "--nproc_per_node", "2", "-m", module, *args]
 
 
 def synthetic_text(characters: int, seed: int = 0) -> str:

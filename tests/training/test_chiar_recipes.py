@@ -15,7 +15,7 @@ from training import imdb, listops, wikitext
 from training.common.bpe import train_bpe_tokenizer
 from training.common.chiar_experiment import EXIT_INTERRUPTED_CODE, parse_training_overrides
 
-from .conftest import WORDS
+from .conftest import REPO_ROOT, WORDS, recipe_environment, torchrun_two_cpu_processes
 
 THREADS = ["--threads", "2"]
 
@@ -267,15 +267,12 @@ def test_a_routed_run_trains_data_parallel_under_torchrun(wikitext_run, tmp_path
     (runs.check_replicas_agree)."""
     import shutil
     import subprocess
-    import sys
 
     shutil.copytree(wikitext_run["out"] / "tokenizer", tmp_path / "tokenizer")
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "training.wikitext", "--smoke",
-               "--data_path", str(wikitext_run["data"]), "--output_dir", str(tmp_path), "--arms", "threshold",
-               "--threads", "1", "--no_plots"]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    environment = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, cwd=root, env=environment, capture_output=True, text=True, timeout=600)
+    command = torchrun_two_cpu_processes(
+        "training.wikitext", "--smoke", "--data_path", str(wikitext_run["data"]), "--output_dir", str(tmp_path),
+        "--arms", "threshold", "--threads", "1", "--no_plots")
+    result = subprocess.run(command, cwd=REPO_ROOT, env=recipe_environment(), capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert _summary(tmp_path / "threshold-seed0")["thresholds"]

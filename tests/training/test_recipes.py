@@ -19,7 +19,8 @@ import hf_spectral
 from training import ptb_char, tinyshakespeare
 from training.common.lm_experiment import EXIT_INTERRUPTED
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .conftest import REPO_ROOT, recipe_environment, torchrun_two_cpu_processes
+
 
 
 @pytest.fixture(scope="module")
@@ -197,21 +198,17 @@ def _recipe_command(tiny_shakespeare, output_dir, *extra):
             "--data_path", tiny_shakespeare, "--output_dir", str(output_dir), *extra]
 
 
-def _environment():
-    return {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-
-
 def test_a_killed_run_resumes_from_its_checkpoint_with_nothing_lost(tiny_shakespeare, tmp_path):
     """SIGTERM mid-training → checkpoint at the end of that step, exit; rerun → resumes and ends with exactly the
     weights of a run that was never interrupted."""
     reference = subprocess.run(_recipe_command(tiny_shakespeare, tmp_path / "reference"), cwd=REPO_ROOT,
-                               env=_environment(), capture_output=True, text=True, timeout=300)
+                               env=recipe_environment(), capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
 
     interrupted_dir = tmp_path / "interrupted"
     trajectory = interrupted_dir / "EGA-1-causal-seed0" / "gate_trajectory.jsonl"
     process = subprocess.Popen(_recipe_command(tiny_shakespeare, interrupted_dir), cwd=REPO_ROOT,
-                               env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               env=recipe_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and process.poll() is None:
         if trajectory.is_file() and any(json.loads(l)["step"] >= 6 for l in trajectory.read_text().splitlines() if l):
@@ -223,8 +220,8 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_nothing_lost(tiny_shakesp
     checkpoints = list((interrupted_dir / "EGA-1-causal-seed0").glob("checkpoint-*"))
     assert len(checkpoints) == 1 and 6 <= int(checkpoints[0].name.split("-")[1]) < 60, output[-2000:]
 
-    resumed = subprocess.run(_recipe_command(tiny_shakespeare, interrupted_dir), cwd=REPO_ROOT, env=_environment(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(_recipe_command(tiny_shakespeare, interrupted_dir), cwd=REPO_ROOT,
+                             env=recipe_environment(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     final = load_file(interrupted_dir / "EGA-1-causal-seed0" / "model.safetensors")
@@ -251,12 +248,11 @@ def test_stop_after_steps_leaves_a_checkpoint_to_resume(tiny_shakespeare, tmp_pa
 
 
 def test_the_recipe_runs_under_torchrun_with_two_cpu_processes(tiny_shakespeare, tmp_path):
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    # --standalone: torchrun binds a free rendezvous port itself (picking one here first could race another run)
-    command = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "training.tinyshakespeare",
-               "--smoke", "--variants", "EGA-1", "--threads", "1", "--no_plots", "--data_path", tiny_shakespeare,
-               "--output_dir", str(tmp_path)]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=_environment(), capture_output=True, text=True, timeout=300)
+    command = torchrun_two_cpu_processes(
+        "training.tinyshakespeare", "--smoke", "--variants", "EGA-1", "--threads", "1", "--no_plots",
+        "--data_path", tiny_shakespeare, "--output_dir", str(tmp_path))
+    result = subprocess.run(command, cwd=REPO_ROOT, env=recipe_environment(), capture_output=True, text=True,
+                            timeout=300)
     # The recipe fails unless both processes end with the same weights (runs.check_replicas_agree): processes that
     # accelerate never joined would each train their own model.
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
