@@ -412,8 +412,13 @@ class DaubechiesEnergy(_SignalEnergy):
     def __init__(self, num_heads: int, wavelet: str, dilations: list[int]):
         super().__init__()
         self.num_heads, self.num_scales = num_heads, len(dilations)
-        self.register_buffer("taps", daubechies_kernels(wavelet, dilations), persistent=False)
+        self.wavelet, self.dilations = wavelet, list(dilations)
+        # Not saved (fixed by the config): a model built on the meta device refills it in `_init_weights`.
+        self.register_buffer("taps", self.initial_taps(), persistent=False)
         self.history = self.taps.shape[-1] - 1
+
+    def initial_taps(self) -> torch.Tensor:
+        return daubechies_kernels(self.wavelet, self.dilations)
 
     def kernels(self):
         return self.taps[None, :, None, :]  # (1, S, 1, L): the same filters for every head
@@ -498,6 +503,7 @@ class EnergyGate(nn.Module):
         valid: torch.Tensor | None = None,
         past_aux: torch.Tensor | None = None,
         return_aux: bool = False,
+        aux_dtype: torch.dtype | None = None,
     ):
         """Gate the keys of ``x``.
 
@@ -510,12 +516,15 @@ class EnergyGate(nn.Module):
                 first key may be read as zeros (a ``StaticCache``, whose length stays on the device): a count of 0,
                 silence for the filters, False in ``valid``.
             return_aux: also return the per-key state of the new positions for the cache.
+            aux_dtype: the dtype of the KV cache's values that will hold ``aux`` (default ``x.dtype``; under
+                autocast the values are the autocast dtype while ``x`` may be float32). ``past_aux`` is read in
+                its own dtype.
 
         Returns:
             bias: (B, H, T) float32; with ``window`` normalisation and a past, (B, H, T_past + T), because
                 every key's statistics change when the window grows.
             gate: (B, H, T) gate values of the new positions.
-            aux: (B, H, T, aux_width) in ``x.dtype``, or ``None``.
+            aux: (B, H, T, aux_width) in ``aux_dtype``, or ``None``.
         """
         length = x.shape[1]
         past_length = 0 if past_aux is None else past_aux.shape[2]
@@ -527,7 +536,7 @@ class EnergyGate(nn.Module):
         new_valid = None if valid is None else valid[:, past_length:]
         if self.energy.history and new_valid is not None:  # padding reads as silence: left padding changes nothing
             x = x * new_valid[:, :, None].to(x.dtype)
-        width = state_channels(self.state_floats, x.dtype)
+        width = state_channels(self.state_floats, past_aux.dtype) if past_length else 0
         past_features = past_aux[..., width:] if past_length and self.energy.feature_width else None
         energy = self.energy(x, past_features).float()
         weight = token_weight(new_valid)
@@ -553,10 +562,11 @@ class EnergyGate(nn.Module):
             gate = gate[..., -length:]
         aux = None
         if return_aux:
-            parts = [] if state is None else [pack_state(state.transpose(2, 3), x.dtype)]
+            aux_dtype = aux_dtype or x.dtype
+            parts = [] if state is None else [pack_state(state.transpose(2, 3), aux_dtype)]
             features = self.energy.features(x)
             if features is not None:
-                parts.append(features.to(x.dtype))
+                parts.append(features.to(aux_dtype))
             aux = torch.cat(parts, -1) if len(parts) > 1 else parts[0] if parts else None
         return bias, gate, aux
 

@@ -22,7 +22,7 @@ Shapes: B batch, H query heads, Hk key/value heads (grouped-query attention when
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 from transformers.integrations.flex_attention import compile_friendly_flex_attention, repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
@@ -62,6 +62,11 @@ def fold_bias_into_kv(
         aux: optional (B, Hk, T, P) per-key state the KV cache must remember (raw energies, filter history).
     """
     head_dim = key.shape[-1]
+    if aux is not None and aux.dtype != value.dtype:  # a cast would scramble float32 state packed in 16-bit channels
+        raise ValueError(
+            f"the gate state for the KV cache is {aux.dtype} but the values are {value.dtype}: ask the gate for "
+            "`aux_dtype=value.dtype`"
+        )
     extra = 0 if aux is None else aux.shape[-1]
     width = width or folded_head_size(head_dim, extra, key.device)
     if bias.shape[-1] != key.shape[-2]:
@@ -69,7 +74,15 @@ def fold_bias_into_kv(
     key = torch.cat([key, _zero_padded(bias.to(key.dtype).unsqueeze(-1), width - head_dim)], dim=-1)
     if aux is None:
         return key, _zero_padded(value, width)
-    return key, torch.cat([value, _zero_padded(aux.to(value.dtype), width - head_dim)], dim=-1)
+    return key, torch.cat([value, _zero_padded(aux, width - head_dim)], dim=-1)
+
+
+def projection_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear projection of ``x`` returns: the autocast dtype inside autocast (for ``x``'s device), else
+    ``x.dtype``. (What a gate computed before the key/value projections asks its cached state to be.)"""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def _zero_padded(tensor: torch.Tensor, channels: int) -> torch.Tensor:
@@ -104,22 +117,26 @@ def unfold_key_bias(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def cached_length(layer) -> int:
-    """The number of keys a KV cache layer holds. Energy-gated layers keep per-key gate state in the cache, so the
-    layer must keep every key as written, at its position: a ``DynamicLayer`` or ``StaticLayer`` (``DynamicCache``,
-    ``StaticCache``, their offloaded forms), or a sliding-window layer until its window starts dropping keys (the
-    statistics count every earlier token). Quantised and other layers alter or move keys and raise."""
+def cached_length(layer, new: int = 0) -> int:
+    """The number of keys a KV cache layer holds (before ``new`` more are written). Energy-gated layers keep per-key
+    gate state in the cache, so the layer must keep every key as written, at its position: a ``DynamicLayer`` or
+    ``StaticLayer`` (``DynamicCache``, ``StaticCache``, their offloaded forms), or a sliding-window layer as long as
+    its window drops no key (the statistics count every earlier token). Quantised and other layers alter or move
+    keys and raise."""
     if type(layer) in (DynamicLayer, StaticLayer):
         return int(layer.get_seq_length())
-    if type(layer) is DynamicSlidingWindowLayer:
-        held = layer.values.shape[-2] if layer.is_initialized else 0
+    if type(layer) in (DynamicSlidingWindowLayer, StaticSlidingWindowLayer):
         seen = int(layer.get_seq_length())
-        if seen == held:
-            return held
+        if type(layer) is DynamicSlidingWindowLayer:
+            dropped = seen - (layer.values.shape[-2] if layer.is_initialized else 0)
+        else:  # a static window holds max_cache_len keys; its update drops the oldest once they would not fit
+            dropped = max(0, seen + new - layer.max_cache_len)
+        if dropped == 0:
+            return seen
         raise ValueError(
-            f"the KV cache's sliding window has dropped {seen - held} keys; energy-gated attention keeps its per-key "
-            "gate state (statistics over every earlier token) in the cache and cannot continue past the window: "
-            "use a DynamicCache without a sliding window"
+            f"the KV cache's sliding window drops {dropped} keys; energy-gated attention keeps its per-key gate state "
+            "(statistics over every earlier token) in the cache and cannot continue past the window: use a "
+            "DynamicCache without a sliding window, or a static cache no longer than the window"
         )
     raise ValueError(
         f"energy-gated attention keeps per-key gate state in its KV cache and needs every key kept as written; "
@@ -144,6 +161,12 @@ def cached_gate_state(
     no past). ``positions=None`` (every key: window statistics) reads the length on the host.
     """
     layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
+    if getattr(layer, "is_initialized", False) and layer.keys.shape[-1] <= head_dim:
+        raise ValueError(
+            f"layer {layer_idx}'s KV cache holds keys of {layer.keys.shape[-1]} channels without the energy gate's "
+            "folded bias and state (keys written outside the model, e.g. PEFT prefix tuning's virtual tokens): "
+            "energy-gated attention can only continue a cache it filled itself"
+        )
     if type(layer) is StaticLayer and layer.is_initialized and positions is not None:
         cached = layer.get_seq_length()
         slots = cached - positions + torch.arange(positions, device=cached.device)
@@ -154,7 +177,7 @@ def cached_gate_state(
             return past, inside.expand(past.shape[0], -1)
         columns = torch.cat([slots.clamp(min=0), cached + torch.arange(length, device=cached.device)])
         return past, token_mask[:, columns] & inside
-    cached = 0 if layer is None else cached_length(layer)  # (an empty StaticLayer's is the int 0)
+    cached = 0 if layer is None else cached_length(layer, length)  # (an empty StaticLayer's is the int 0)
     if cached == 0:
         return None, None if token_mask is None else token_mask[:, :length]
     # Every cached key: slices of a cache's own length are views, and no slice at all where they cover everything.
@@ -266,6 +289,12 @@ def flex_attention_with_key_bias(
     return output.transpose(1, 2).contiguous(), None
 
 
+def flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Plain flex_attention (no bias) for ungated layers and CHIAR-Former: on CPU outside ``torch.compile`` the
+    kernel compiled for static shapes (``_static_cpu_flex_attention``), which survives changing input shapes."""
+    return flex_attention_with_key_bias(module, query, key, value, None, attention_mask, scaling, dropout)
+
+
 _STATIC_CPU_FLEX = []
 
 
@@ -304,6 +333,10 @@ def folded_attention(
         attend = eager_attention_with_key_bias if implementation == "eager" else flex_attention_with_key_bias
         return attend(module, query, key, value, bias, attention_mask, scaling, dropout, **kwargs)
     query = pad_query_for_bias(query, key.shape[-1], scaling)
+    if value.shape[-1] > head_dim and value.dtype.itemsize < 4 and torch.is_grad_enabled():
+        # A cache's 16-bit values carry the gate state as float32 bits, some of which read as inf or NaN: their
+        # outputs are discarded, but the backward would multiply the zero gradients by them (0 · inf = NaN).
+        value = _zero_padded(value[..., :head_dim], value.shape[-1])
     output, weights = ALL_ATTENTION_FUNCTIONS[implementation](
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
@@ -368,11 +401,13 @@ __all__ = [
     "cached_gate_state",
     "cached_length",
     "eager_attention_with_key_bias",
+    "flex_attention_forward",
     "flex_attention_with_key_bias",
     "fold_bias_into_kv",
     "folded_attention",
     "folded_head_size",
     "pad_query_for_bias",
+    "projection_dtype",
     "replace_folded_bias",
     "unfold_key_bias",
 ]

@@ -31,6 +31,7 @@ from ..ops.gated_attention import (
     cached_gate_state,
     fold_bias_into_kv,
     folded_attention,
+    projection_dtype,
     replace_folded_bias,
 )
 
@@ -137,7 +138,9 @@ class EnergyGatedAttentionMixin:
             cache, self.layer_idx, self.head_dim, self.energy_gate_token_mask, hidden_states.shape[1],
             self.energy_gate.cached_positions,
         )
-        bias, _, state = self.energy_gate(hidden_states, valid=valid, past_aux=past_state, return_aux=cache is not None)
+        bias, _, state = self.energy_gate(
+            hidden_states, valid, past_state, return_aux=cache is not None, aux_dtype=projection_dtype(hidden_states)
+        )
         if self.energy_gate_heads is not None:  # ungated heads get a zero bias, i.e. their stock attention
             keep = torch.zeros(bias.shape[1], device=bias.device, dtype=bias.dtype)
             keep[self.energy_gate_heads] = 1
@@ -159,7 +162,10 @@ def _signature_without_self(function) -> inspect.Signature:
 
 
 def gated_attention_class(stock_class: type) -> type:
-    """``EnergyGated<StockAttention>``: the stock class with `EnergyGatedAttentionMixin` in front (cached)."""
+    """``EnergyGated<StockAttention>``: the stock class with `EnergyGatedAttentionMixin` in front (cached); a gated
+    class is returned as it is."""
+    if issubclass(stock_class, EnergyGatedAttentionMixin):
+        return stock_class
     if stock_class not in _GATED_ATTENTION_CLASSES:
         gated = type(
             f"EnergyGated{stock_class.__name__}",

@@ -23,7 +23,7 @@ from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-from ..ops.energy_gate import EnergyGate, MorletEnergy
+from ..ops.energy_gate import DaubechiesEnergy, EnergyGate, MorletEnergy
 from ..ops.positions import keep_padding_mask_for_generate
 from ..ops.remote_code import save_pretrained_with_code
 from .config import EnergyGateConfig
@@ -165,10 +165,12 @@ def init_energy_gates(model) -> None:
             if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d)):
                 init.normal_(module.weight, mean=0.0, std=std)
                 init.zeros_(module.bias)
-            elif isinstance(module, MorletEnergy) and isinstance(module.omega, torch.nn.Parameter):
-                omega = torch.tensor([torch.pi / length for length in module.lengths]).repeat(module.num_heads, 1)
+            elif isinstance(module, MorletEnergy):
+                omega, sigma = module.initial_omega_sigma()
                 init.copy_(module.omega, omega)
-                init.copy_(module.sigma, 5.0 / omega)
+                init.copy_(module.sigma, sigma)
+            elif isinstance(module, DaubechiesEnergy):  # not saved: refilled after a build on the meta device
+                init.copy_(module.taps, module.initial_taps())
             module._is_hf_initialized = True
         gate._is_hf_initialized = True
 
@@ -189,7 +191,11 @@ class EnergyGatedModelMixin:
                 f"{type(self).__name__} needs `energy_gates` in its config (the gate configuration add_energy_gates "
                 "records); this config has none"
             )
-        inject_energy_gates(self, family_of(self), EnergyGateConfig.from_dict(config.energy_gates))
+        family = family_of(self)
+        # Llama's, Mistral's and Qwen2's classification heads build their decoder with `AutoModel.from_config`,
+        # which gives the gated decoder (registered below): its gates are already in place.
+        if getattr(decoder_of(self, family), "_energy_gated_attentions", None) is None:
+            inject_energy_gates(self, family, EnergyGateConfig.from_dict(config.energy_gates))
 
     # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none).
     create_masks_for_generate = staticmethod(keep_padding_mask_for_generate)
@@ -241,6 +247,11 @@ for _family_entry in FAMILIES:
     for _stock_class in _family_entry.model_classes.values():
         _model_class = _GATED_MODELS[_stock_class] = _gated_model(_stock_class, _config_class)
         globals()[_model_class.__name__] = _model_class
+    # What `AutoModel.from_config` inside a stock head builds for a gated config, also where this file is remote
+    # code and nothing else registered it (it would otherwise ask for `trust_remote_code`).
+    transformers.AutoModel.register(
+        _config_class, _GATED_MODELS[_family_entry.model_classes["AutoModel"]], exist_ok=True
+    )
 del _family_entry, _config_class, _stock_class, _model_class
 
 

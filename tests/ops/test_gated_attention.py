@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
 from tests.helpers import INDUCTOR_ISA_FORCED, INDUCTOR_SKIP_REASON
 from hf_spectral.ops.gated_attention import (
@@ -134,8 +134,13 @@ def test_caches_that_drop_or_alter_keys_are_refused():
     assert cached_length(static) == 5
     window = DynamicSlidingWindowLayer(sliding_window=3)
     window.update(keys, keys)
-    with pytest.raises(ValueError, match="sliding window has dropped"):
+    with pytest.raises(ValueError, match="sliding window drops 3 keys"):
         cached_length(window)
+    static_window = StaticSlidingWindowLayer(max_cache_len=16, sliding_window=7)  # holds 7 keys
+    static_window.update(keys, keys)
+    assert cached_length(static_window) == 5 and cached_length(static_window, new=2) == 5
+    with pytest.raises(ValueError, match="sliding window drops 1 keys"):
+        cached_length(static_window, new=3)
 
     class OtherLayer(DynamicLayer):
         pass
@@ -195,3 +200,10 @@ def test_output_attentions_falls_back_to_eager_with_a_warning(caplog):
         logging.disable_propagation()
     torch.testing.assert_close(weights, probabilities)
     assert "runs the eager attention instead" in caplog.text
+
+
+def test_folding_refuses_gate_state_of_another_dtype():
+    """The state is packed for the values' dtype (float32 bits in 16-bit channels): a cast would scramble it."""
+    key = value = torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="aux_dtype=value.dtype"):
+        fold_bias_into_kv(key, value, torch.zeros(1, 2, 3), torch.zeros(1, 2, 3, 3))

@@ -10,6 +10,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     BertConfig,
     BertModel,
     GPT2Config,
@@ -37,6 +38,7 @@ from tests.helpers import (
     INDUCTOR_ISA_FORCED,
     INDUCTOR_SKIP_REASON,
     assert_fullgraph_static_generation_matches_eager,
+    load_without_plugin,
     perturb_after,
 )
 
@@ -154,6 +156,24 @@ def test_static_cache_generation_matches_the_forward(family, backend, tmp_path):
         torch.testing.assert_close(step_logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
 
 
+def test_a_static_cache_with_a_sliding_window_generates_while_the_window_drops_no_key(tmp_path):
+    """Mistral's configs carry a sliding window (4096 in Mistral-7B-v0.1): a static cache then has sliding layers,
+    which keep every key while the generation fits in the window; past it, a clear error."""
+    torch.manual_seed(0)
+    config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4096,
+                           **SPECIAL)
+    model = add_energy_gates(MistralForCausalLM(config).eval())
+    randomise_gates(model)
+    ids, mask, _ = padded_batch()
+    dynamic = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    static = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    assert torch.equal(static, dynamic)
+    model.config.sliding_window = 14  # the prompt (12) and two new tokens fit, the third does not
+    with pytest.raises(ValueError, match="sliding window drops 1 keys"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static")
+
+
 def test_a_static_cache_decoding_step_of_a_retrofitted_gpt2_has_no_graph_break(tmp_path):
     """The gates read a StaticCache at its on-device length: a decoding step is one graph."""
     from transformers import StaticCache
@@ -204,6 +224,33 @@ def test_sequence_classification_head_is_supported(tmp_path):
                                    atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_a_gated_classification_head_built_through_automodel_loads_back(family, tmp_path):
+    """Llama's, Mistral's and Qwen2's classification heads build their decoder with `AutoModel.from_config`: it
+    must come back gated once (not gated twice, nor refused for remote code) with the plugin and without it; a
+    gated causal LM folder also loads as a classifier."""
+    CHECKPOINTS[family](tmp_path / "lm")
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=3).eval()
+    add_energy_gates(model)
+    randomise_gates(model)
+    model.save_pretrained(tmp_path / "gated")
+    ids, mask, positions = padded_batch()
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "gated").eval()
+    assert type(loaded) is type(model)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, position_ids=positions).logits
+        assert torch.equal(loaded(ids, attention_mask=mask, position_ids=positions).logits, expected)
+    inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+    remote, loaded_class = load_without_plugin(tmp_path / "gated", "AutoModelForSequenceClassification", inputs, tmp_path)
+    assert loaded_class.endswith(".modeling_energy_gated." + type(model).__name__)
+    torch.testing.assert_close(remote, expected, atol=1e-5, rtol=1e-5)
+    causal = AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
+    add_energy_gates(causal)
+    causal.save_pretrained(tmp_path / "gated-lm")
+    head = AutoModelForSequenceClassification.from_pretrained(tmp_path / "gated-lm", num_labels=3)
+    assert len([m for m in head.modules() if hasattr(m, "energy_gate")]) == head.config.num_hidden_layers
+
+
 def test_only_gates_move_when_only_gates_train(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).train()
     add_energy_gates(model, EnergyGateConfig(alpha_init=0.5))
@@ -231,6 +278,18 @@ def test_saved_model_records_its_gates_and_loads_them_back(tmp_path):
     assert config["energy_gates"]["layers"] == [1] and config["energy_gates"]["projections"] == 2
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gated").eval()
     assert type(loaded) is type(model)
+    ids, mask, positions = padded_batch()
+    assert torch.equal(logits(loaded, ids, mask, positions), logits(model, ids, mask, positions))
+
+
+@pytest.mark.parametrize("gates", [dict(energy_kind="db2"), dict(energy_kind="morlet", morlet_learnable=False)])
+def test_gates_with_fixed_filters_load_back_exactly(tmp_path, gates):
+    """Daubechies taps are not saved (a build on the meta device refills them); fixed Morlet filters are."""
+    model = GPT2LMHeadModel.from_pretrained(gpt2_checkpoint(tmp_path / "gpt2")).eval()
+    add_energy_gates(model, EnergyGateConfig(**gates))
+    randomise_gates(model)
+    model.save_pretrained(tmp_path / "gated")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gated").eval()
     ids, mask, positions = padded_batch()
     assert torch.equal(logits(loaded, ids, mask, positions), logits(model, ids, mask, positions))
 
@@ -441,3 +500,29 @@ def test_every_gate_parameter_gets_a_gradient_for_data_parallel_training(tmp_pat
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert any(name.endswith("mix_logits") for name in trainable)
     assert [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_16_bit_retrofitted_model_trains_through_its_cache_and_generates_under_autocast(tmp_path, family):
+    """GPT-2 keeps its cache on in training: 16-bit values carrying packed gate state must leave the gradients
+    finite. Under autocast the gate's input is float32 while the cached values are bfloat16."""
+    path = CHECKPOINTS[family](tmp_path / family)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    add_energy_gates(model)
+    randomise_gates(model)
+    ids = torch.randint(3, VOCAB, (4, 48), generator=torch.Generator().manual_seed(0))
+    model.train()(ids, labels=ids, use_cache=True).loss.backward()
+    assert [n for n, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()] == []
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    add_energy_gates(model)
+    randomise_gates(model)
+    ids, mask, _ = padded_batch()
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits[:, -1]
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        out = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True)
+        step = model(ids[:, -1:], attention_mask=mask, cache=out.cache, use_cache=True).logits[:, -1]
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert out.cache.layers[0].values.dtype == torch.bfloat16
+    torch.testing.assert_close(step.float(), expected, atol=0.1, rtol=0.05)

@@ -113,7 +113,10 @@ class ChiarConfig(CheckedConfigMixin, PreTrainedConfig):
     """
 
     model_type = "chiar_former"
-    keys_to_ignore_at_inference = ["cache"]
+    # Trainer's evaluation gathers only the logits (and the loss): the routing outputs stay out of `predictions`.
+    keys_to_ignore_at_inference = [
+        "cache", "routing_decisions", "routing_entropies", "routing_fractions", "router_probabilities", "aux_loss"
+    ]
 
     vocab_size: int = 50257
     max_position_embeddings: int = 256

@@ -40,7 +40,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -55,6 +55,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_chiar_former import ChiarConfig
+from ...ops.gated_attention import flex_attention_forward
 from ...ops.pooling import SequencePooling
 from ...ops.positions import host_length, host_reads_are_free, new_positions
 from ...ops.remote_code import save_pretrained_with_code
@@ -341,9 +342,11 @@ class ChiarAttention(nn.Module):
             query = self._heads(self.q_proj(gather_routed(hidden_states, index)))
             query = rotate(query, gather_routed(cos, index), gather_routed(sin, index))
             query_slots = index + past_length
-        attention_interface: Callable = eager_attention_forward
-        if implementation != "eager":
-            attention_interface = ALL_ATTENTION_FUNCTIONS[implementation]
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        if implementation == "eager":  # CHIAR's own, which reads its boolean masks
+            attention_interface = eager_attention_forward
+        elif implementation == "flex_attention":  # on CPU compiled for static shapes: input shapes may change
+            attention_interface = flex_attention_forward
         dropout = self.config.attention_dropout if self.training else 0.0
         chunks = self._key_prefix_chunks(implementation, query_slots) if layout is not None else 1
         if chunks > 1:
@@ -355,10 +358,6 @@ class ChiarAttention(nn.Module):
         mask, is_causal = self._mask(
             implementation, query_slots, query_valid, key_valid, key_length, past_length, dense=layout is None
         )
-        if implementation == "flex_attention":
-            # torch 2.13's CPU flex_attention kernel gives wrong results when queries and keys come in different memory
-            # layouts (e.g. projection views against a cache's contiguous keys): hand it one layout.
-            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         attn_output, attn_weights = attention_interface(
             self, query, key, value, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal, **kwargs
         )
@@ -659,6 +658,15 @@ class ChiarModel(ChiarPreTrainedModel):
                 f"the cache has {len(cache.layers)} layers, the model {self.config.num_hidden_layers}: create it with "
                 "`DynamicCache(config=model.config)` so that each layer gets the state its operator needs"
             )
+        for index, layer_type in enumerate(self.config.layer_types):
+            if layer_type in ("linear_attention", "hybrid") and not isinstance(
+                cache.layers[index], LinearAttentionCacheLayerMixin
+            ):
+                raise ValueError(
+                    f"layer {index} keeps RBF prefix sums in the cache, but the cache's layer {index} is a "
+                    f"{type(cache.layers[index]).__name__} that cannot hold them (a cache built without the model's "
+                    "config, e.g. by PEFT prefix tuning): create it with `DynamicCache(config=model.config)`"
+                )
         if any(t in ("full_attention", "hybrid") for t in self.config.layer_types):
             # A StaticCache's length is a tensor its first layer's update advances in place: keep this call's value.
             past_length = cache.get_seq_length()

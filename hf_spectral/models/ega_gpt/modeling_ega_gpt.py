@@ -34,12 +34,12 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.import_utils import is_torchdynamo_compiling
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from ...ops.energy_gate import EnergyGate, MorletEnergy, padding_mask
+from ...ops.energy_gate import DaubechiesEnergy, EnergyGate, MorletEnergy, padding_mask
 from ...ops.gated_attention import (
     attention_with_key_bias,
     cached_gate_state,
     eager_attention_with_key_bias,
-    flex_attention_with_key_bias,
+    flex_attention_forward,
     fold_bias_into_kv,
     folded_attention,
     implementation_for_call,
@@ -79,11 +79,6 @@ class EGASequenceClassifierOutputWithPast(SequenceClassifierOutputWithPast):
     """
 
     gate_values: tuple[torch.FloatTensor, ...] | None = None
-
-
-def flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """flex_attention without a bias, as the gated layers call it (on CPU: compiled for static shapes)."""
-    return flex_attention_with_key_bias(module, query, key, value, None, attention_mask, scaling, dropout)
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -172,7 +167,7 @@ class EGAAttention(nn.Module):
             past_aux, valid = cached_gate_state(
                 cache, self.layer_idx, self.head_dim, token_mask, length, self.energy_gate.cached_positions
             )
-            bias, _, aux = self.energy_gate(hidden_states, valid, past_aux, return_aux=True)
+            bias, _, aux = self.energy_gate(hidden_states, valid, past_aux, return_aux=True, aux_dtype=value.dtype)
             key, value = fold_bias_into_kv(key, value, bias, aux)
             key, value = cache.update(key, value, self.layer_idx)
             if bias.shape[-1] != length:  # window statistics: every cached key's bias moved with the window
@@ -225,6 +220,8 @@ class EGAPreTrainedModel(PreTrainedModel):
             omega, sigma = module.initial_omega_sigma()
             init.copy_(module.omega, omega)
             init.copy_(module.sigma, sigma)
+        elif isinstance(module, DaubechiesEnergy):
+            init.copy_(module.taps, module.initial_taps())
         elif isinstance(module, SequencePooling):
             if module.mode == "learned":
                 init.zeros_(module.position_logits)
@@ -438,6 +435,8 @@ class EGAForSequenceClassification(EGAPreTrainedModel):
         **kwargs,
     ) -> EGASequenceClassifierOutputWithPast:
         kwargs.pop("use_cache", None)
+        if attention_mask is None and input_ids is not None and self.config.pad_token_id is not None:
+            attention_mask = (input_ids != self.config.pad_token_id).long()  # attention and gates skip padding too
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -446,8 +445,6 @@ class EGAForSequenceClassification(EGAPreTrainedModel):
             use_cache=False,
             **kwargs,
         )
-        if attention_mask is None and input_ids is not None and self.config.pad_token_id is not None:
-            attention_mask = (input_ids != self.config.pad_token_id).long()
         pooled = self.pooling(outputs.last_hidden_state, attention_mask)
         logits = self.score(self.dropout(pooled))
         loss = None

@@ -239,6 +239,17 @@ def test_cached_forward_equals_uncached_forward(variant):
     torch.testing.assert_close(torch.cat(logits, 1)[valid], full.logits[valid], atol=1e-5, rtol=1e-5)
 
 
+def test_a_cache_without_room_for_prefix_sums_is_refused_by_name():
+    """PEFT prefix tuning builds a DynamicCache without the config: a layer with RBF prefix sums refuses it."""
+    from peft import PrefixTuningConfig, get_peft_model
+
+    model = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "rbf", "attention"], router_type="hard"))
+    prefixed = get_peft_model(model, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    ids = random_ids(2, 12, seed=5)
+    with pytest.raises(ValueError, match="cannot hold them"):
+        prefixed(input_ids=ids, labels=ids)
+
+
 def test_cache_must_be_built_from_the_config():
     model = build(ChiarForCausalLM, tiny_config())
     with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
@@ -321,6 +332,26 @@ def test_sequence_classification_pools_real_tokens_only(pooling):
         torch.testing.assert_close(out.logits[row + 1], alone[0], atol=1e-5, rtol=1e-5)
     out.loss.backward()
     assert model.score.weight.grad.abs().sum() > 0
+
+
+def test_trainer_evaluation_predicts_the_logits_alone(tmp_path):
+    """The routing outputs stay out of Trainer's predictions (`keys_to_ignore_at_inference`): a standard metric
+    reads the logits as an array."""
+    import numpy as np
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    config = tiny_config(num_labels=3, router_type="hard", routed_operators=["dct", "attention"])
+    model = build(ChiarForSequenceClassification, config)
+    data = [{"input_ids": ids, "labels": torch.tensor(i % 3)} for i, ids in enumerate(random_ids(6, 10, seed=4))]
+
+    def accuracy(prediction):
+        return {"accuracy": float((np.argmax(prediction.predictions, -1) == prediction.label_ids).mean())}
+
+    args = TrainingArguments(tmp_path, per_device_eval_batch_size=4, use_cpu=True, report_to="none")
+    trainer = Trainer(model=model, args=args, eval_dataset=data, data_collator=default_data_collator,
+                      compute_metrics=accuracy)
+    assert trainer.predict(data).predictions.shape == (6, 3)
+    assert 0 <= trainer.evaluate()["eval_accuracy"] <= 1
 
 
 def test_save_and_load_round_trip_with_safetensors(tmp_path):
@@ -459,9 +490,8 @@ def _with_backend(model, implementation, model_class=ChiarForCausalLM):
 
 @pytest.fixture
 def fresh_compilation():
-    """transformers compiles flex_attention once per process; after a few shapes Dynamo recompiles it with dynamic
-    shapes, which torch 2.13's CPU flex_attention template fails to compile (undeclared split sizes). Each test
-    starts from a reset compiler, so that it compiles its own static shapes."""
+    """On CPU flex_attention is compiled for static shapes, once per shape up to Dynamo's recompilation limit (then
+    it runs uncompiled, slowly): each test starts from a reset compiler, so that it compiles its own shapes."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -489,6 +519,21 @@ def test_eager_sdpa_and_flex_attention_agree(layer_operators, implementation, fr
     for a, b in zip(out.routing_decisions, reference.routing_decisions):
         assert torch.equal(a[valid], b[valid])
     torch.testing.assert_close(out.logits[valid], reference.logits[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_set_attn_implementation_switches_backends_and_flex_generation_takes_new_shapes(fresh_compilation):
+    """`model.set_attn_implementation` switches CHIAR's backend like any transformers model's; under flex_attention
+    generation keeps working as the batch shape changes (transformers' own flex kernel, recompiled with dynamic
+    shapes after a few, fails to compile in torch 2.13's CPU template)."""
+    model = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "attention"], router_type="hard"))
+    prompts = [random_ids(batch, length, seed=8 + batch) for batch, length in ((4, 20), (3, 10), (1, 7))]
+    expected = [model.generate(ids, max_new_tokens=4, do_sample=False) for ids in prompts]
+    backends = ["eager"] if INDUCTOR_ISA_FORCED else ["eager", "flex_attention"]
+    for implementation in backends:
+        model.set_attn_implementation(implementation)
+        assert model.model.layers[-1].attention.config._attn_implementation == implementation
+        for ids, tokens in zip(prompts, expected):
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens), implementation
 
 
 def test_output_attentions_under_sdpa_warns_and_falls_back_to_eager(caplog):
