@@ -6,12 +6,11 @@ graphs (forward and backward) that the default Inductor backend would receive, w
 for each of them (minutes per graph on a small CPU). One test runs the default backend end to end.
 """
 
-import os
-
 import pytest
 import torch
 
 from hf_spectral import ChiarForCausalLM, ChiarModel
+from tests.helpers import INDUCTOR_ISA_FORCED
 
 from .chiar_testing import build, random_ids, tiny_config
 
@@ -105,7 +104,7 @@ def test_compiled_forward_and_training_step_match_eager(router_type, is_causal):
 
 
 @pytest.mark.skipif(
-    os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2"),
+    INDUCTOR_ISA_FORCED,
     reason="with ATEN_CPU_CAPABILITY forced below the CPU's own ISA, Inductor's C++ kernels for this model fail to "
     "compile (default: at::vec used in scalar code) or give NaN entropies (avx2 on an AVX-512 CPU) in torch 2.13; "
     "the aot_eager tests above cover the traced graphs",
