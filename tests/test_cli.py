@@ -134,6 +134,28 @@ def test_retrofit_refuses_corrupt_weights_and_unsupported_models_in_one_line(tin
         assert not (tmp_path / "dst").exists()
 
 
+def test_retrofit_copies_a_tokenizer_only_when_the_source_has_one(tiny_gpt2, tmp_path, capsys):
+    """Without tokenizer files, AutoTokenizer would build an empty GPT-2 tokenizer from the config (a vocabulary of
+    1 that encodes any text to nothing): the copy must stay without one. With them, the copy encodes alike."""
+    from transformers import AutoTokenizer
+
+    from hf_spectral import CharTokenizer
+
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "bare")]) == 0
+    assert not [p.name for p in (tmp_path / "bare").iterdir() if p.name.startswith(("tokenizer", "vocab"))]
+    CharTokenizer.from_text("to be or not to be", str(tmp_path / "chars")).save_pretrained(tiny_gpt2)
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst")]) == 0
+    expected = AutoTokenizer.from_pretrained(tiny_gpt2)("not to be")["input_ids"]
+    assert AutoTokenizer.from_pretrained(tmp_path / "dst")("not to be")["input_ids"] == expected != []
+
+
+def test_retrofit_refuses_a_destination_that_is_a_file(tiny_gpt2, tmp_path, capsys):
+    (tmp_path / "afile").write_text("keep me")
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "afile"), "--overwrite"]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
 def test_retrofit_layer_out_of_range_through_the_console_command(tiny_gpt2, tmp_path):
     result = subprocess.run([sys.executable, "-m", "hf_spectral.cli", "retrofit", str(tiny_gpt2), str(tmp_path / "dst"),
                              "--layers", "5"], capture_output=True, text=True, timeout=300)

@@ -10,6 +10,13 @@ from ..file_permissions import apply_umask
 from .config import EnergyGateConfig
 
 
+# What a checkpoint folder holds when it has a tokenizer (any one of them).
+TOKENIZER_FILES = (
+    "tokenizer_config.json", "tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
+    "spiece.model", "special_tokens_map.json",
+)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(item) for item in text.split(",") if item.strip()]
@@ -47,6 +54,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if not os.path.isfile(os.path.join(args.src, "config.json")):
         return _fail(f"{args.src} is not a checkpoint folder (no config.json)")
+    if os.path.exists(args.dst) and not os.path.isdir(args.dst):
+        return _fail(f"{args.dst} exists and is not a folder")
     if os.path.exists(args.dst) and not args.overwrite:
         return _fail(f"{args.dst} exists; pass --overwrite to replace it")
     try:
@@ -94,10 +103,13 @@ def main(argv=None) -> int:
     os.mkdir(staging)
     try:
         model.save_pretrained(staging)
-        try:
-            AutoTokenizer.from_pretrained(args.src).save_pretrained(staging)
-        except (OSError, ValueError, TypeError):
-            pass  # a checkpoint without tokenizer files stays without them
+        # Only a tokenizer SRC has: from a folder without one, AutoTokenizer may build an empty tokenizer from the
+        # config (GPT-2: a vocabulary of 1 that encodes any text to nothing) instead of failing.
+        if any(os.path.exists(os.path.join(args.src, name)) for name in TOKENIZER_FILES):
+            try:
+                AutoTokenizer.from_pretrained(args.src).save_pretrained(staging)
+            except (OSError, ValueError, TypeError) as error:
+                return _fail(f"cannot copy the tokenizer of {args.src}: {type(error).__name__}: {error}")
         apply_umask(staging)  # safetensors writes its files as 0600
         if os.path.exists(args.dst):
             shutil.rmtree(args.dst)

@@ -64,6 +64,16 @@ def test_wikitext_smoke_writes_models_tokenizer_card_results_and_figures(wikitex
     assert results["hardware"]["cpu_count"] and results["seeds"] == [0] and results["command"].startswith("python")
     card = (out / "threshold-seed0" / "README.md").read_text()
     assert "chiar-former" in card and "per word" in card.replace("_", " ")
+    from huggingface_hub import ModelCard
+
+    summary = _summary(out / "threshold-seed0")
+    indexed = {r.metric_name: r for r in ModelCard.load(out / "threshold-seed0" / "README.md").data.eval_results}
+    assert indexed["test perplexity per word"].metric_type == "perplexity"
+    assert indexed["test perplexity per word"].dataset_split == "test"
+    bits_per_char = round(summary["validation_bits_per_char"], 4)
+    assert indexed["validation bits per char"].metric_value == pytest.approx(bits_per_char)
+    assert {r.metric_type for r in indexed.values()} <= {"loss", "perplexity", "bits_per_char", "accuracy"}
+    assert "validation blocks" not in indexed and "validation blocks" in card  # a count: in the table only
 
 
 def test_wikitext_summary_reports_perplexities_routing_flops_and_step_times(wikitext_run):

@@ -90,9 +90,11 @@ def test_model_card_metadata_holds_the_measured_results(pushed_smoke_run):
     run_dir = pushed_smoke_run["dir"] / "BASE-seed0"
     summary = _summary(run_dir)
     card = ModelCard.load(run_dir / "README.md")
-    results = {result.metric_name: result.metric_value for result in card.data.eval_results}
-    assert results["validation loss (nats/char)"] == pytest.approx(round(summary["val_loss"], 4))
-    assert results["generalisation gap (val − train)"] == pytest.approx(round(summary["generalization_gap"], 4))
+    results = {result.metric_name: (result.dataset_split, result.metric_value) for result in card.data.eval_results}
+    assert results["validation loss (nats/char)"] == ("validation", pytest.approx(round(summary["val_loss"], 4)))
+    assert results["training loss, eval mode (nats/char)"] == ("train", pytest.approx(round(summary["train_loss"], 4)))
+    # The gap is no evaluation of one split: in the card's table, not in its model index
+    assert "generalisation gap (val − train)" not in results and "generalisation gap (val − train)" in card.text
     assert card.data.pipeline_tag == "text-generation" and "karpathy/tiny_shakespeare" in card.data.datasets
     assert summary["command"] in card.text
 
@@ -163,10 +165,15 @@ def test_bad_options_are_clear_errors(arguments, message, tiny_shakespeare, tmp_
         tinyshakespeare.main(["--smoke", "--data_path", tiny_shakespeare, "--output_dir", str(tmp_path)] + arguments)
 
 
-def test_missing_data_is_a_clear_error(tmp_path, capsys):
-    code = tinyshakespeare.main(["--smoke", "--data_path", str(tmp_path / "missing"), "--output_dir", str(tmp_path)])
+def test_missing_data_and_a_file_as_output_folder_are_clear_errors(tmp_path, capsys):
+    output_dir = tmp_path / "runs" / "missing-data"
+    code = tinyshakespeare.main(["--smoke", "--data_path", str(tmp_path / "missing"), "--output_dir", str(output_dir)])
     assert code == 2
     assert "--data_path" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # the folders this run created are gone: nothing half-written stays
+    (tmp_path / "afile").write_text("")
+    assert tinyshakespeare.main(["--smoke", "--output_dir", str(tmp_path / "afile")]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -243,6 +250,8 @@ def test_stop_after_steps_leaves_a_checkpoint_to_resume(tiny_shakespeare, tmp_pa
     assert tinyshakespeare.main(arguments + ["--stop_after_steps", "4"]) == EXIT_INTERRUPTED
     assert [p.name for p in (tmp_path / "BASE-seed0").glob("checkpoint-*")] == ["checkpoint-4"]
     assert not (tmp_path / "BASE-seed0" / "summary.json").exists()
+    with pytest.raises(SystemExit, match="cannot resume from .*checkpoint-4: its model has other sizes.*--restart"):
+        tinyshakespeare.main(arguments + ["--hidden_size", "48"])
     assert tinyshakespeare.main(arguments) == 0
     assert _summary(tmp_path / "BASE-seed0")["resumed_from"] == "checkpoint-4"
 

@@ -512,7 +512,9 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
     from .callbacks import GracefulInterruptCallback, StopAfterStepsCallback
     from .data import fixed_subset
     from .presets import training_arguments
-    from .runs import barrier, check_replicas_agree, hub_repo_id, is_main_process, open_run_dir, write_json
+    from .runs import (
+        barrier, check_replicas_agree, hub_repo_id, is_main_process, open_run_dir, train_from, write_json
+    )
     from .trainer import last_complete_checkpoint, remove_checkpoints
 
     run_dir, done = open_run_dir(output_dir, arm.name, args.restart)
@@ -585,7 +587,7 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
     if checkpoint:
         print(f"[{arm.name}] resuming from {checkpoint}", flush=True)
     started = time.time()
-    trainer.train(resume_from_checkpoint=checkpoint)
+    train_from(trainer, checkpoint)
     check_replicas_agree(trainer)
     if trainer.state.global_step < preset.max_steps:
         print(f"[{arm.name}] stopped at step {trainer.state.global_step}/{preset.max_steps} "
@@ -688,16 +690,27 @@ run. The CHIAR-Former paper's numbers are unverified claims (see the repository'
 """
 
 
+# Metric type (the Hub's metric id) of each evaluation summary key after its split prefix; keys not listed are
+# counts (blocks, examples) or structured values and stay out of the model index.
+CARD_METRIC_TYPES = {"loss": "loss", "perplexity": "perplexity", "perplexity_per_word": "perplexity",
+                     "bits_per_char": "bits_per_char", "accuracy": "accuracy"}
+
+
 def write_card(directory: str, arm: Arm, preset: LMPreset, task: ChiarTask, summary: dict, model, data: TaskData,
                repo_id: str | None = None) -> str:
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     from ..results import hardware_summary
 
-    results = [(key.replace("_", " "), key, value) for key, value in summary.items()
-               if isinstance(value, (int, float)) and not isinstance(value, bool)
-               and any(key.startswith(p) for p in ("validation_", "test_", "val_"))]
-    table = "| metric | value |\n|---|---|\n" + "".join(f"| {name} | {value:.4f} |\n" for name, _, value in results)
+    results, counts = [], []  # (name, split, metric type, value): metrics go into the model index, counts do not
+    for key, value in summary.items():
+        split, _, metric = key.partition("_")
+        if split not in ("validation", "test", "val") or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        row = (key.replace("_", " "), "validation" if split == "val" else split, CARD_METRIC_TYPES.get(metric), value)
+        (results if row[2] else counts).append(row)
+    table = "| metric | value |\n|---|---|\n" + "".join(f"| {name} | {value:.4f} |\n" for name, _, _, value in results)
+    table += "".join(f"| {name} | {value:g} |\n" for name, _, _, value in counts)
     routing = summary.get("routing") or {}
     notes = []
     if routing.get("fractions"):
@@ -715,9 +728,9 @@ def write_card(directory: str, arm: Arm, preset: LMPreset, task: ChiarTask, summ
         pipeline_tag=task_type, license="apache-2.0", datasets=[task.hub_dataset],
         tags=["hf_spectral", "chiar-former", "spectral-entropy-routing", arm.family],
         eval_results=[EvalResult(task_type=task_type, dataset_type=task.hub_dataset, dataset_name=task.title,
-                                 dataset_split=name.split(" ")[0], metric_type=key.split("_")[-1],
+                                 dataset_split=split, metric_type=metric_type,
                                  metric_name=name, metric_value=round(float(value), 4))
-                      for name, key, value in results] or None,
+                      for name, split, metric_type, value in results] or None,
     )
     hardware = summary.get("hardware") or hardware_summary()
     config = model.config

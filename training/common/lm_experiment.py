@@ -338,17 +338,18 @@ def write_card(directory: str, spec: RunSpec, preset: LMPreset, benchmark: Bench
 
     from .model_card import build_model_card, write_model_card
 
-    rows = [("validation loss (nats/char)", "loss", summary.get("val_loss")),
-            ("validation perplexity", "perplexity", summary.get("val_perplexity")),
-            ("validation bits per character", "bits_per_char", summary.get("val_bits_per_char")),
-            ("training loss, eval mode (nats/char)", "loss", summary.get("train_loss")),
-            ("generalisation gap (val − train)", "generalization_gap", summary.get("generalization_gap"))]
+    # (name, metric type, split, value); the gap is no evaluation of a split: in the table, not the model index
+    rows = [("validation loss (nats/char)", "loss", "validation", summary.get("val_loss")),
+            ("validation perplexity", "perplexity", "validation", summary.get("val_perplexity")),
+            ("validation bits per character", "bits_per_char", "validation", summary.get("val_bits_per_char")),
+            ("training loss, eval mode (nats/char)", "loss", "train", summary.get("train_loss")),
+            ("generalisation gap (val − train)", "generalization_gap", None, summary.get("generalization_gap"))]
     if "val_loss_leak_free" in summary:
-        rows.insert(0, ("LEAK-FREE validation loss (nats/char)", "loss", summary["val_loss_leak_free"]))
+        rows.insert(0, ("LEAK-FREE validation loss (nats/char)", "loss", "validation", summary["val_loss_leak_free"]))
     if "test_loss" in summary:
-        rows.append(("test loss (nats/char)", "loss", summary["test_loss"]))
+        rows.append(("test loss (nats/char)", "loss", "test", summary["test_loss"]))
     table = "| metric | value |\n|---|---|\n" + "".join(
-        f"| {name} | {value:.4f} |\n" for name, _, value in rows if value is not None)
+        f"| {name} | {value:.4f} |\n" for name, _, _, value in rows if value is not None)
     notes = []
     if summary.get("gates"):
         notes.append(f"Learned gate threshold τ: mean {summary['gates']['tau_mean']:.3f} "
@@ -368,8 +369,8 @@ def write_card(directory: str, spec: RunSpec, preset: LMPreset, benchmark: Bench
     card = build_model_card(
         "ega_gpt.md",
         model_name=f"ega-gpt-{benchmark.recipe}-{spec.name}".lower(),
-        results=[{"split": "validation", "metric_type": kind, "metric_name": name, "value": value}
-                 for name, kind, value in rows if value is not None],
+        results=[{"split": split, "metric_type": kind, "metric_name": name, "value": value}
+                 for name, kind, split, value in rows if value is not None and split is not None],
         dataset_id=benchmark.hub_dataset,
         dataset_name=benchmark.title,
         tags=["hf_spectral", "ega-gpt", "energy-gated-attention", "character-level", spec.variant.lower()],

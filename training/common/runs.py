@@ -70,17 +70,26 @@ def prepare_recipe(args, recipe: str, preset_name: str, preset, load_data) -> tu
     if args.threads:
         torch.set_num_threads(args.threads)
     output_dir = args.output_dir or os.path.join("runs", f"{recipe}-{preset_name}")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        print(f"error: --output_dir {output_dir} exists and is not a folder", file=sys.stderr)
+        return output_dir, None
+    created, missing = None, os.path.abspath(output_dir)  # the outermost folder this call creates
+    while not os.path.exists(missing):
+        created, missing = missing, os.path.dirname(missing)
     os.makedirs(output_dir, exist_ok=True)
 
     from accelerate import PartialState
 
     from .data import CorpusNotFoundError
 
+    state = PartialState()
     try:
-        with PartialState().main_process_first():
+        with state.main_process_first():
             data = load_data(args, preset, os.path.join(output_dir, "tokenizer"))
     except (CorpusNotFoundError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
+        if created and state.is_main_process:  # no empty (or half-written) output folder stays behind
+            shutil.rmtree(created, ignore_errors=True)
         return output_dir, None
     return output_dir, data
 
@@ -154,6 +163,21 @@ def check_replicas_agree(trainer) -> None:
         )
 
 
+def train_from(trainer, checkpoint: str | None):
+    """``trainer.train(resume_from_checkpoint=checkpoint)``; a checkpoint whose model has other sizes than this
+    command's (changed options) is a one-line error naming the way out, not a traceback."""
+    try:
+        return trainer.train(resume_from_checkpoint=checkpoint)
+    except RuntimeError as error:
+        if checkpoint and "size mismatch" in str(error):
+            raise SystemExit(
+                f"error: cannot resume from {checkpoint}: its model has other sizes than this command's "
+                f"({str(error).splitlines()[-1].strip()}). Rerun with the options that wrote it, or add --restart to "
+                "discard it and train again."
+            ) from None
+        raise
+
+
 def train_or_resume(trainer, interrupt, run_dir: str, max_steps: int) -> dict | None:
     """Train, resuming from the newest complete checkpoint of ``run_dir``. Returns timing facts, or None when the
     run stopped early (signal, ``--stop_after_steps``) with a checkpoint to resume from."""
@@ -162,7 +186,7 @@ def train_or_resume(trainer, interrupt, run_dir: str, max_steps: int) -> dict | 
     if checkpoint:
         print(f"[{name}] resuming from {checkpoint}", flush=True)
     started = time.time()
-    output = trainer.train(resume_from_checkpoint=checkpoint)
+    output = train_from(trainer, checkpoint)
     check_replicas_agree(trainer)
     if trainer.state.global_step < max_steps:
         print(f"[{name}] stopped at step {trainer.state.global_step}/{max_steps} "
