@@ -33,7 +33,15 @@ def leak_free_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 def causal_lm_losses(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
     """Mean next-token loss (nats) of an ordinary forward pass and of the leak-free decoding, on the same batch."""
     targets = input_ids[:, 1:]
-    weights = (torch.ones_like(targets) if attention_mask is None else attention_mask[:, 1:]).float()
+    # A pair counts when both the context token and the target are tokens (left padding: not the first token
+    # predicted from a pad position).
+    weights = torch.ones_like(targets) if attention_mask is None else attention_mask[:, 1:] * attention_mask[:, :-1]
+    weights = weights.float()
+    if weights.sum() == 0:
+        raise ValueError(
+            f"no (token, next token) pair to score: input_ids of shape {tuple(input_ids.shape)}"
+            + ("" if attention_mask is None else f" with {int(attention_mask.sum())} tokens under the attention_mask")
+        )
 
     def loss(logits):
         nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none")

@@ -35,8 +35,8 @@ class CharTokenizer(PreTrainedTokenizer):
         if not isinstance(self.vocab, dict) or not self.vocab:
             raise ValueError(f"{vocab_file} does not hold a non-empty JSON object mapping characters to ids")
         for token in (unk_token, pad_token, bos_token, eos_token):
-            if token is not None and str(token) not in self.vocab:
-                self.vocab[str(token)] = len(self.vocab)
+            if token is not None and str(token) not in self.vocab:  # the next free id, whatever ids the file uses
+                self.vocab[str(token)] = max(self.vocab.values()) + 1
         self.ids_to_tokens = {index: token for token, index in self.vocab.items()}
         kwargs.setdefault("clean_up_tokenization_spaces", False)
         super().__init__(
@@ -67,7 +67,8 @@ class CharTokenizer(PreTrainedTokenizer):
         return len(self.vocab)
 
     def get_vocab(self) -> dict:
-        return dict(self.vocab)
+        # With the tokens added later (`add_tokens`): transformers sizes the tokenizer and numbers new tokens from it.
+        return {**self.vocab, **self.added_tokens_encoder}
 
     def _tokenize(self, text, **kwargs):
         return list(text)

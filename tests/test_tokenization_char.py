@@ -42,3 +42,21 @@ def test_unknown_characters_raise_without_unk_token(tmp_path):
 def test_missing_text_file_is_reported(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing.txt"):
         CharTokenizer.from_text_file(tmp_path / "nothing.txt", tmp_path)
+
+
+def test_added_tokens_get_their_own_ids_and_survive_saving(tmp_path):
+    """transformers numbers added tokens and sizes the tokenizer from get_vocab: added tokens must be in it."""
+    tokenizer = CharTokenizer.from_text("abc", tmp_path / "build", pad_token="<pad>")
+    assert tokenizer.add_tokens(["xyz", "Q"]) == 2 and len(tokenizer) == 6
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<mask>"]})
+    ids = tokenizer("xyz<mask>")["input_ids"]
+    assert ids == [4, 6] and tokenizer.decode(ids) == "xyz<mask>"
+    tokenizer.save_pretrained(tmp_path / "saved")
+    loaded = CharTokenizer.from_pretrained(tmp_path / "saved")
+    assert len(loaded) == 7 and loaded("Qxyz<mask>")["input_ids"] == [5, 4, 6]
+
+
+def test_special_tokens_take_the_next_free_id_of_any_vocabulary(tmp_path):
+    (tmp_path / "vocab.json").write_text('{"a": 1, "b": 2}')
+    tokenizer = CharTokenizer(str(tmp_path / "vocab.json"), pad_token="<pad>")
+    assert tokenizer.pad_token_id == 3 and tokenizer.decode([2]) == "b"

@@ -303,15 +303,16 @@ def _state_source(model, states):
     yield read
 
 
-def _label_matrix(labels: torch.Tensor, num_classes: int | None) -> tuple[np.ndarray, int]:
+def _label_matrix(labels: torch.Tensor, num_classes: int | None) -> np.ndarray:
+    """One-hot rows for integer class labels (``num_classes`` columns, else this batch's largest label + 1), the
+    values for float targets."""
     labels = labels.detach().cpu()
     if labels.ndim == 1 and not torch.is_floating_point(labels):
         classes = num_classes or int(labels.max()) + 1
         if labels.min() < 0 or labels.max() >= classes:
             raise ValueError(f"class labels must lie in [0, {classes}), got [{int(labels.min())}, {int(labels.max())}]")
-        return torch.nn.functional.one_hot(labels.long(), classes).double().numpy(), classes
-    values = labels.double().reshape(labels.shape[0], -1).numpy()
-    return values, values.shape[1]
+        return torch.nn.functional.one_hot(labels.long(), classes).double().numpy()
+    return labels.double().reshape(labels.shape[0], -1).numpy()
 
 
 def estimate_position_correlation(model, dataloader, *, states: str | int = "embeddings",
@@ -341,7 +342,7 @@ def estimate_position_correlation(model, dataloader, *, states: str | int = "emb
     with _evaluation(model), _unfitted_heads_allowed(model), _state_source(model, states) as read:
         # pass 1: per-position sums and the state/label cross-moments
         sum_h = sum_hy = sum_y_t = counts = None
-        n_sequences, classes = 0, num_classes
+        n_sequences = 0
         for batch in _batches(dataloader, max_batches):
             inputs, labels = _split_batch(batch, device)
             if labels is None:
@@ -350,13 +351,20 @@ def estimate_position_correlation(model, dataloader, *, states: str | int = "emb
             aligned, filled = _align_real_tokens(states.float(), mask)
             h = (aligned * filled[..., None]).cpu().double().numpy()  # (B, T, C), 0 at empty slots
             f = filled.cpu().double().numpy()  # (B, T)
-            Y, classes = _label_matrix(labels, classes)
+            Y = _label_matrix(labels, num_classes)
             if Y.shape[0] != h.shape[0]:
                 raise ValueError(f"{Y.shape[0]} labels for a batch of {h.shape[0]} sequences")
             T = h.shape[1]
             if sum_h is None:
                 sum_h, counts = np.zeros((T, h.shape[2])), np.zeros(T)
                 sum_hy, sum_y_t = np.zeros((h.shape[2], Y.shape[1])), np.zeros((T, Y.shape[1]))
+            if Y.shape[1] != sum_hy.shape[1]:
+                if torch.is_floating_point(labels):
+                    raise ValueError(f"targets of width {Y.shape[1]} after targets of width {sum_hy.shape[1]}")
+                # a batch with a larger class label than the batches before (e.g. a label-sorted dataset): the
+                # earlier one-hot rows were 0 in the new columns
+                width = max(Y.shape[1], sum_hy.shape[1])
+                Y, sum_hy, sum_y_t = _grow(Y, width, 1), _grow(sum_hy, width, 1), _grow(sum_y_t, width, 1)
             sum_h, counts, sum_y_t = _grow(sum_h, T, 0), _grow(counts, T, 0), _grow(sum_y_t, T, 0)
             sum_h[:T] += h.sum(0)
             counts[:T] += f.sum(0)

@@ -50,6 +50,14 @@ def _check_ratios(delta, gamma=None):
             raise ValueError(f"{name} must be a finite ratio >= 0, got {value!r}")
 
 
+def _check_rho(rho) -> np.ndarray:
+    """ρ as a float array; NaN or a negative ρ would otherwise fall through the threshold tests to the bulk."""
+    rho = np.asarray(rho, dtype=float)
+    if not np.all(np.isfinite(rho) & (rho >= 0)):
+        raise ValueError(f"rho must be finite and >= 0, got {rho!r}")
+    return rho
+
+
 def _check_kappa(kappa):
     if not (np.isfinite(kappa) and kappa > 0):
         raise ValueError(f"kappa = ‖w‖² must be positive and finite, got {kappa!r}")
@@ -269,7 +277,7 @@ def population_outlier(rho, delta: float, kappa: float = 1.0):
     bulk edge κ(1 + √δ)²; s = ρ − δ."""
     _check_ratios(delta)
     _check_kappa(kappa)
-    rho = np.asarray(rho, dtype=float)
+    rho = _check_rho(rho)
     s = rho - delta
     with np.errstate(divide="ignore", invalid="ignore"):
         value = kappa * rho * (s + 1) / s
@@ -279,7 +287,7 @@ def population_outlier(rho, delta: float, kappa: float = 1.0):
 def population_overlap(rho, delta: float):
     """|v_popᵀ u|² for the population top eigenvector: 1 − δ/s² past the threshold, 0 below; s = ρ − δ."""
     _check_ratios(delta)
-    rho = np.asarray(rho, dtype=float)
+    rho = _check_rho(rho)
     s = rho - delta
     with np.errstate(divide="ignore", invalid="ignore"):
         value = 1 - delta / s**2
@@ -294,7 +302,7 @@ def sample_outlier(rho, delta: float, gamma: float, kappa: float = 1.0):
     """
     _check_ratios(delta, gamma)
     _check_kappa(kappa)
-    rho = np.asarray(rho, dtype=float)
+    rho = _check_rho(rho)
     s = rho - delta
     with np.errstate(divide="ignore", invalid="ignore"):
         value = kappa * rho * (s + 1) * (s + gamma) / s**2
@@ -306,7 +314,7 @@ def sample_overlap(rho, delta: float, gamma: float):
     threshold, 0 below. It is the population overlap 1 − δ/s² times Bai-Yao's ℓψ'(ℓ)/ψ(ℓ); δ = 0 gives the
     classical BBP overlap (1 − γ/ρ²)/(1 + γ/ρ)."""
     _check_ratios(delta, gamma)
-    rho = np.asarray(rho, dtype=float)
+    rho = _check_rho(rho)
     s = rho - delta
     with np.errstate(divide="ignore", invalid="ignore"):
         value = _sample_cubic(s, delta, gamma) / (s**2 * (s + gamma))
@@ -316,9 +324,12 @@ def sample_overlap(rho, delta: float, gamma: float):
 def effective_signal_norm2(mu_norm2: float, delta: float, table: str = "class_centred") -> float:
     """‖μ‖² to use in ρ: unchanged for a class-centred table, ‖μ‖² + δ for a raw Gaussian table (the class means
     z̄± of the noise have squared norm ≈ 2δ each; (z̄₊ − z̄₋)/2, of squared norm ≈ δ, adds to ±μ)."""
+    if not (np.isfinite(mu_norm2) and mu_norm2 >= 0):
+        raise ValueError(f"mu_norm2 = ‖μ‖² must be finite and >= 0, got {mu_norm2!r}")
     if table == "class_centred":
         return float(mu_norm2)
     if table == "raw":
+        _check_ratios(delta)
         return float(mu_norm2) + float(delta)
     raise ValueError(f"table must be 'class_centred' or 'raw', got {table!r}")
 

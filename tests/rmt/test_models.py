@@ -113,6 +113,20 @@ def test_estimate_handles_padding_and_needs_labels():
         estimate_position_correlation(CausalMixer(), [{k: v for k, v in batches[0].items() if k != "labels"}])
 
 
+def test_a_label_sorted_dataset_gives_the_estimate_of_the_known_number_of_classes():
+    """The first batches may hold only class 0 (IMDB's train split is sorted by label): the classes found later
+    join the one-hot label matrix, as if `num_classes` had been given."""
+    batches = early_signal_batches(n=256, batch_size=64)
+    ids, labels = (torch.cat([b[k] for b in batches]) for k in ("input_ids", "labels"))
+    order = torch.argsort(labels, stable=True)
+    ids, labels = ids[order], labels[order]
+    ordered = [{"input_ids": ids[i : i + 64], "labels": labels[i : i + 64]} for i in range(0, 256, 64)]
+    assert ordered[0]["labels"].max() == 0
+    inferred = estimate_position_correlation(CausalMixer(), ordered)
+    given = estimate_position_correlation(CausalMixer(), ordered, num_classes=2)
+    np.testing.assert_allclose(inferred.matrix, given.matrix, rtol=1e-12, atol=1e-12)
+
+
 def uniform_attention_classifier():
     """No gates, zero query/key projections: every query attends uniformly to its keys j ≤ i."""
     model = tiny_classifier("mean", energy_gate_layers=[], attn_implementation="sdpa")

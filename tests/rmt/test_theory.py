@@ -140,6 +140,13 @@ def test_bad_ratios_raise():
                  lambda: sample_threshold(np.nan, 0.5), lambda: population_outlier(2.0, 0.5, kappa=-1)):
         with pytest.raises(ValueError):
             call()
+    # A NaN or negative ρ would fail every threshold test and read as the bulk edge / overlap 0: refused
+    for call in (sample_outlier, sample_overlap):
+        for rho in (np.nan, -3.0, np.array([1.0, np.nan])):
+            with pytest.raises(ValueError, match="rho must be finite"):
+                call(rho, 0.5, 0.5)
+    with pytest.raises(ValueError, match="rho must be finite"):
+        population_overlap(-1.0, 0.5)
 
 
 # ----------------------------------------------------------------------------------------------------------------

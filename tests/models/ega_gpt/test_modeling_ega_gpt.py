@@ -562,6 +562,21 @@ def test_leak_free_evaluation_equals_the_forward_for_causal_models_only():
     assert abs(losses["loss"] - losses["leak_free_loss"]) > 1e-5
 
 
+def test_evaluation_scores_only_pairs_of_tokens_under_left_padding():
+    """A left-padded batch scores the same (token, next token) pairs as its rows alone: not the first token
+    predicted from the pad position before it."""
+    model = tiny_model("EGA-1")
+    ids, mask = padded_batch()
+    rows = [ids[row, mask[row].bool()][None] for row in range(ids.shape[0])]
+    pairs = [row.shape[1] - 1 for row in rows]
+    alone = sum(causal_lm_losses(model, row)["loss"] * n for row, n in zip(rows, pairs)) / sum(pairs)
+    with torch.no_grad():
+        batched = causal_lm_losses(model, ids, mask)
+    assert batched["loss"] == pytest.approx(alone, rel=1e-5) and batched["leak_free_loss"] == pytest.approx(alone, rel=1e-5)
+    with pytest.raises(ValueError, match="no \\(token, next token\\) pair"):
+        causal_lm_losses(model, ids[:, :1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_training_through_a_16_bit_kv_cache_gives_finite_gradients(dtype):
     """With ``use_cache=True`` the values reaching SDPA carry the gate state as float32 bits in 16-bit channels,
