@@ -117,12 +117,16 @@ def _adapter_file(model_id, filename: str, hub_kwargs: dict) -> str | None:
         return None
 
 
-def _is_gate_key(key: str) -> bool:
-    return ".energy_gate." in f".{key}"
+def _is_gate_parameter_key(key: str) -> bool:
+    """Whether an adapter weight is a gate's own parameter (the gate saved whole: ``modules_to_save``), told by its
+    threshold τ, which every gate has. A LoRA delta on a gate's projection (``...energy_gate.energy.proj.lora_A``)
+    is not: the gate it adapts is part of the base checkpoint."""
+    return f".{key}".endswith(".energy_gate.tau")
 
 
 def adapter_gate_info(model_id, **kwargs) -> tuple[dict | None, bool]:
-    """(gate configuration recorded in the adapter or None, whether the adapter's weights hold gate parameters)."""
+    """(gate configuration recorded in the adapter or None, whether the adapter's weights hold the gates' own
+    parameters)."""
     hub_kwargs = _hub_kwargs(kwargs)
     if _adapter_file(model_id, "adapter_config.json", hub_kwargs) is None:
         return None, False  # not an adapter we can reach: PEFT reports that itself (one failed lookup, not three)
@@ -148,20 +152,20 @@ def adapter_gate_info(model_id, **kwargs) -> tuple[dict | None, bool]:
     if config_path is not None:
         with open(config_path, encoding="utf-8") as handle:
             gate_config = json.load(handle)
-    return gate_config, any(_is_gate_key(key) for key in keys)
+    return gate_config, any(_is_gate_parameter_key(key) for key in keys)
 
 
-def prepare_model_for_adapter(model, model_id, *, add_missing_gates: bool = True, **kwargs) -> None:
+def prepare_model_for_adapter(model, model_id, *, add_missing_gates: bool = True, **kwargs) -> bool:
     """Make sure ``model`` has the energy gates the adapter ``model_id`` was trained with, before it is loaded.
 
     Adds them (``add_missing_gates``) when ``model`` has none and the adapter records their configuration and holds
     their trained weights; raises a ``ValueError`` saying what to do when that is not possible. Does nothing for an
-    adapter of a model without gates."""
+    adapter of a model without gates. Returns whether it added gates."""
     from .retrofit import EnergyGateConfig, add_energy_gates, has_energy_gates
 
     gate_values, has_gate_weights = adapter_gate_info(model_id, **kwargs)
     if gate_values is None and not has_gate_weights:
-        return
+        return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     recorded = EnergyGateConfig.from_dict(gate_values) if gate_values is not None else None
     if has_energy_gates(base):
@@ -171,9 +175,9 @@ def prepare_model_for_adapter(model, model_id, *, add_missing_gates: bool = True
                 f"the adapter {model_id} was trained with energy gates configured as {recorded.to_dict()}, the model's "
                 f"gates are configured as {current}"
             )
-        return
+        return False
     if recorded is None and any(name.endswith("energy_gate") for name, _ in base.named_modules()):
-        return  # gates of the architecture itself (EGA-GPT): PEFT loads their weights like any other module's
+        return False  # gates of the architecture itself (EGA-GPT): PEFT loads their weights like any other module's
     if not has_gate_weights:
         raise ValueError(
             f"the adapter {model_id} was trained on a model with energy gates ({GATE_CONFIG_NAME}), but it does not "
@@ -196,6 +200,21 @@ def prepare_model_for_adapter(model, model_id, *, add_missing_gates: bool = True
         )
     logger.info(f"adding the energy gates recorded in {model_id} ({recorded.to_dict()}) before loading the adapter")
     add_energy_gates(base, recorded)
+    return True
+
+
+def _load_with_gates(model, model_id, load, **kwargs):
+    """``load()`` after ``prepare_model_for_adapter``; gates it added are removed again if ``load`` fails, so that a
+    failed load leaves ``model`` as it was."""
+    added = prepare_model_for_adapter(model, model_id, **kwargs)
+    try:
+        return load()
+    except BaseException:
+        if added:
+            from .retrofit import remove_energy_gates
+
+            remove_energy_gates(model)
+        raise
 
 
 def load_gated_adapter(model, model_id, **kwargs):
@@ -203,8 +222,7 @@ def load_gated_adapter(model, model_id, **kwargs):
     was trained with (see the module docstring); returns the ``PeftModel``."""
     from peft import PeftModel
 
-    prepare_model_for_adapter(model, model_id, **kwargs)
-    return PeftModel.from_pretrained(model, model_id, **kwargs)
+    return _load_with_gates(model, model_id, lambda: PeftModel.from_pretrained(model, model_id, **kwargs), **kwargs)
 
 
 def write_gate_config(peft_model, save_directory, selected_adapters=None) -> list[str]:
@@ -238,8 +256,8 @@ def _wrap_peft_model() -> None:
 
     @functools.wraps(from_pretrained)
     def from_pretrained_with_gates(cls, model, model_id, *args, **kwargs):
-        prepare_model_for_adapter(model, model_id, **kwargs)
-        return from_pretrained(cls, model, model_id, *args, **kwargs)
+        return _load_with_gates(model, model_id, lambda: from_pretrained(cls, model, model_id, *args, **kwargs),
+                                **kwargs)
 
     @functools.wraps(save_pretrained)
     def save_pretrained_with_gates(self, save_directory, *args, **kwargs):
@@ -269,10 +287,11 @@ def _wrap_transformers_load_adapter() -> None:
 
     @functools.wraps(load_adapter)
     def load_adapter_with_gates(self, peft_model_id=None, *args, **kwargs):
-        if peft_model_id is not None:
-            hub_kwargs = {**(kwargs.get("adapter_kwargs") or {}), **kwargs}
-            prepare_model_for_adapter(self, peft_model_id, **hub_kwargs)
-        return load_adapter(self, peft_model_id, *args, **kwargs)
+        if peft_model_id is None:
+            return load_adapter(self, peft_model_id, *args, **kwargs)
+        hub_kwargs = {**(kwargs.get("adapter_kwargs") or {}), **kwargs}
+        return _load_with_gates(self, peft_model_id, lambda: load_adapter(self, peft_model_id, *args, **kwargs),
+                                **hub_kwargs)
 
     setattr(load_adapter_with_gates, _WRAPPED_MARK, True)
     PeftAdapterMixin.load_adapter = load_adapter_with_gates

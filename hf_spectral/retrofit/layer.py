@@ -122,6 +122,11 @@ class EnergyGatedAttentionMixin:
     ``energy_gate_heads`` (indices of the gated key/value heads, ``None`` for all) and ``energy_gate_token_mask``
     (the model-level 2D padding mask, set by a hook on the decoder before each forward)."""
 
+    def __reduce_ex__(self, protocol):
+        # The class is made at run time (`gated_attention_class`), so pickle cannot find it by name: a module is
+        # pickled as "the gated form of its stock class", which any process rebuilds (`torch.save(model)`).
+        return _new_gated_attention, (self.stock_class,), self.__dict__
+
     def forward(self, *args, **kwargs):
         if "past_key_values" in kwargs:  # the name transformers deprecates in favour of `cache`
             kwargs["cache"] = kwargs.pop("past_key_values")
@@ -156,6 +161,12 @@ class EnergyGatedAttentionMixin:
 _GATED_ATTENTION_CLASSES: dict[type, type] = {}
 
 
+def _new_gated_attention(stock_class: type):
+    """An empty instance of the gated form of ``stock_class``, for unpickling (its state is set next)."""
+    gated = gated_attention_class(stock_class)
+    return gated.__new__(gated)
+
+
 def _signature_without_self(function) -> inspect.Signature:
     signature = inspect.signature(function)
     return signature.replace(parameters=list(signature.parameters.values())[1:])
@@ -180,24 +191,24 @@ def gated_attention_class(stock_class: type) -> type:
     return _GATED_ATTENTION_CLASSES[stock_class]
 
 
-def set_token_mask_hook(decoder):
-    """A forward pre-hook for ``decoder``, the decoder stack: hands its 2D padding mask to the gated attention modules
-    listed in ``decoder._energy_gated_attentions`` (a plain attribute, so that deep copies hook their own modules).
+class TokenMaskHook:
+    """A forward pre-hook for a decoder stack: hands its 2D padding mask to the gated attention modules listed in
+    ``decoder._energy_gated_attentions`` (a plain attribute, so that deep copies hook their own modules).
 
     Where ``attention_mask`` sits among the decoder's arguments is read from its signature here, once: the hook
     itself binds no signature, which a compiled graph (``torch.compile(fullgraph=True)``) could not trace after
     generate()'s keyword arguments. The mask stays set after the call, so that gradient checkpointing's recomputation
-    sees the same one.
+    sees the same one. (A class, not a closure, so that a gated model pickles: ``torch.save(model)``.)
     """
-    names = list(inspect.signature(decoder.forward).parameters)
-    position = names.index("attention_mask") if "attention_mask" in names else None
 
-    def hook(module, args, kwargs):
+    def __init__(self, decoder):
+        names = list(inspect.signature(decoder.forward).parameters)
+        self.position = names.index("attention_mask") if "attention_mask" in names else None
+
+    def __call__(self, module, args, kwargs):
         mask = kwargs.get("attention_mask")
-        if mask is None and position is not None and position < len(args):
-            mask = args[position]
+        if mask is None and self.position is not None and self.position < len(args):
+            mask = args[self.position]
         token_mask = padding_mask(mask)
         for attention in module._energy_gated_attentions:
             attention.energy_gate_token_mask = token_mask
-
-    return hook

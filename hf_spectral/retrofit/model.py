@@ -31,6 +31,7 @@ from .modeling_energy_gated import decoder_of as _decoder_of
 from .modeling_energy_gated import inject_energy_gates as _inject
 
 GATES_FILE_METADATA_KEY = "hf_spectral_energy_gates"
+GATES_FILE_FORMAT_VERSION = 1  # of the description in the metadata; a reader refuses versions it does not know
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,12 +162,16 @@ def mark_only_gates_trainable(model) -> int:
     return trainable
 
 
+def _architecture(model) -> str:
+    return type(model).stock_class.__name__ if hasattr(type(model), "stock_class") else type(model).__name__
+
+
 def _gates_description(model) -> dict:
     family = family_of(model)
     return {
-        "format_version": 1,
+        "format_version": GATES_FILE_FORMAT_VERSION,
         "model_type": family.model_type,
-        "architecture": type(model).stock_class.__name__ if hasattr(type(model), "stock_class") else type(model).__name__,
+        "architecture": _architecture(model),
         "hidden_size": model.config.hidden_size,
         "gate_heads": family.gate_heads(model.config),
         "num_attention_layers": len(_attention_layers(_decoder_of(model, family), family)),
@@ -215,6 +220,11 @@ def _read_gates_file(path: str) -> tuple[dict, dict]:
             raise ValueError("no gate configuration")
     except ValueError as error:
         raise ValueError(f"{path} has a corrupt '{GATES_FILE_METADATA_KEY}' description: {error}") from error
+    if saved.get("format_version") != GATES_FILE_FORMAT_VERSION:
+        raise ValueError(
+            f"{path} is an energy-gate file of format version {saved.get('format_version')!r}; this version of "
+            f"hf_spectral reads version {GATES_FILE_FORMAT_VERSION}"
+        )
     for name, tensor in tensors.items():
         if not _is_gate_parameter(name):
             raise ValueError(f"{path} holds {name}, which is not an energy-gate parameter")
@@ -223,13 +233,14 @@ def _read_gates_file(path: str) -> tuple[dict, dict]:
     return tensors, saved
 
 
-def _check_gate_tensors(model, tensors: dict, path: str) -> None:
+def _check_gate_tensors(model, tensors: dict, path: str, architecture: str | None) -> None:
     state = model.state_dict()
     expected_keys = {name for name in state if _is_gate_parameter(name)}
     if set(tensors) != expected_keys:
+        other = f" (it was saved from a {architecture}, this model is a {_architecture(model)})"
         raise ValueError(
-            f"{path} does not match this model's gates: missing {sorted(expected_keys - set(tensors))[:5]}, "
-            f"unexpected {sorted(set(tensors) - expected_keys)[:5]}"
+            f"{path} does not match this model's gates{other if architecture != _architecture(model) else ''}: "
+            f"missing {sorted(expected_keys - set(tensors))[:5]}, unexpected {sorted(set(tensors) - expected_keys)[:5]}"
         )
     for name, tensor in tensors.items():
         if tensor.shape != state[name].shape:
@@ -263,7 +274,7 @@ def load_energy_gates(model, path: str):
         add_energy_gates(model, gate_config)
     previous = {name: tensor.detach().clone() for name, tensor in model.state_dict().items() if _is_gate_parameter(name)}
     try:
-        _check_gate_tensors(model, tensors, path)
+        _check_gate_tensors(model, tensors, path, saved.get("architecture"))
         model.load_state_dict(tensors, strict=False)
     except BaseException:
         if added:

@@ -27,7 +27,7 @@ from ..ops.energy_gate import DaubechiesEnergy, EnergyGate, MorletEnergy
 from ..ops.positions import keep_padding_mask_for_generate
 from ..ops.remote_code import save_pretrained_with_code
 from .config import EnergyGateConfig
-from .layer import AttentionConfigView, gated_attention_class, set_token_mask_hook
+from .layer import AttentionConfigView, TokenMaskHook, gated_attention_class
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def inject_energy_gates(model, family: Family, config: EnergyGateConfig) -> None
         attention.config = AttentionConfigView(model.config)
         gated.append(attention)
     decoder._energy_gated_attentions = gated
-    decoder._energy_gate_hook = decoder.register_forward_pre_hook(set_token_mask_hook(decoder), with_kwargs=True)
+    decoder._energy_gate_hook = decoder.register_forward_pre_hook(TokenMaskHook(decoder), with_kwargs=True)
 
 
 @torch.no_grad()

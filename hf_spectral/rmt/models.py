@@ -473,7 +473,8 @@ def attention_pooling_report(model, dataloader, correlation=None, *, states: str
 
     ``correlation``: a T×T matrix (e.g. the known R of a synthetic task) or None to estimate it from the same
     labelled batches (``estimate_position_correlation`` with ``states``). Rows: one per layer
-    (``pooling = "attention layer l"``), then ``mean``, ``harmonic (strictly causal)``, ``harmonic (with self)`` and ``optimal`` on the same positions.
+    (``pooling = "attention layer l"``), then ``mean``, ``optimal``, ``harmonic (strictly causal)`` (for T ≥ 2)
+    and ``harmonic (with self)`` on the same positions.
     """
     measured = attention_pooling_weights(model, dataloader, max_batches=max_batches)
     if correlation is None:

@@ -94,12 +94,13 @@ def test_a_retrofitted_model_gets_the_stock_family_targets(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def trained_gated_adapter(tmp_path, gate_config=None, modules_to_save=("energy_gate",)):
+def trained_gated_adapter(tmp_path, gate_config=None, modules_to_save=("energy_gate",), target_modules=None):
     """A GPT-2 checkpoint, gates added, LoRA + gates trained and saved as an adapter; returns (base, adapter, logits)."""
     base_path = gpt2_checkpoint(tmp_path / "base")
     gate_config = gate_config or EnergyGateConfig(alpha_init=0.5, layers=[1])
     model = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path), gate_config)
-    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4, modules_to_save=list(modules_to_save)))
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, modules_to_save=list(modules_to_save), target_modules=target_modules)
+    peft_model = get_peft_model(model, lora)
     train_steps(peft_model)
     ids, mask = batch()
     expected = logits(peft_model, ids, mask)
@@ -170,6 +171,33 @@ def test_gates_that_live_in_the_base_checkpoint_are_not_silently_missing(tmp_pat
     base_path, adapter, _ = trained_gated_adapter(tmp_path, modules_to_save=())  # gates frozen in the base model
     with pytest.raises(ValueError, match="does not contain them: they are part of the base checkpoint"):
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter)
+
+
+def test_lora_on_the_gates_projections_does_not_carry_the_gates(tmp_path):
+    """LoRA deltas on a gate's energy projection (target_modules="all-linear") adapt gates of the base checkpoint:
+    adding fresh gates to a stock base would give other outputs, so the load is refused."""
+    base_path, adapter, _ = trained_gated_adapter(tmp_path, modules_to_save=(), target_modules="all-linear")
+    from safetensors import safe_open
+
+    with safe_open(adapter / "adapter_model.safetensors", framework="pt") as handle:
+        assert any(".energy_gate.energy.proj.lora_A" in key for key in handle.keys())
+    with pytest.raises(ValueError, match="does not contain them: they are part of the base checkpoint"):
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter)
+
+
+def test_a_failed_load_leaves_the_base_model_as_it_was(tmp_path):
+    """Gates added for an adapter are removed again when PEFT then fails (here: no module matches its targets)."""
+    import json
+
+    base_path, adapter, _ = trained_gated_adapter(tmp_path)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["no_such_module"]}))
+    for load in (lambda model: PeftModel.from_pretrained(model, adapter), lambda model: load_gated_adapter(model, adapter),
+                 lambda model: model.load_adapter(str(adapter))):
+        base = AutoModelForCausalLM.from_pretrained(base_path)
+        with pytest.raises(ValueError, match="target_modules|no_such_module"):
+            load(base)
+        assert type(base) is GPT2LMHeadModel and not has_energy_gates(base)
 
 
 def test_a_further_adapter_needs_the_gates_in_the_peft_model(tmp_path):

@@ -2,6 +2,7 @@
 downloaded here)."""
 
 import json
+import pickle
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from transformers import (
     GPT2Config,
     GPT2ForSequenceClassification,
     GPT2LMHeadModel,
+    GPT2Model,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -294,6 +296,32 @@ def test_gates_with_fixed_filters_load_back_exactly(tmp_path, gates):
     assert torch.equal(logits(loaded, ids, mask, positions), logits(model, ids, mask, positions))
 
 
+def test_a_gated_model_pickles_whole_also_into_a_fresh_process(tmp_path):
+    """`torch.save(model)` pickles the gated attention classes (made at run time) and the padding hook; a fresh
+    process rebuilds them, and the padded logits come back exactly."""
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint(tmp_path / "llama")).eval()
+    add_energy_gates(model, EnergyGateConfig(energy_kind="conv", scales=[3, 5]))
+    randomise_gates(model)
+    ids, mask, positions = padded_batch()
+    expected = logits(model, ids, mask, positions)
+    assert torch.equal(logits(pickle.loads(pickle.dumps(model)), ids, mask, positions), expected)
+    torch.save(model, tmp_path / "model.pt")
+    torch.save({"ids": ids, "mask": mask, "positions": positions, "expected": expected}, tmp_path / "inputs.pt")
+    script = (
+        "import sys, torch\n"
+        "model = torch.load(sys.argv[1], weights_only=False)\n"
+        "inputs = torch.load(sys.argv[2])\n"
+        "with torch.no_grad():\n"
+        "    out = model(inputs['ids'], attention_mask=inputs['mask'], position_ids=inputs['positions']).logits\n"
+        "assert torch.equal(out * inputs['mask'][..., None], inputs['expected']), 'logits differ'\n"
+        "print(type(model.model.layers[0].self_attn).__name__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.pt"), str(tmp_path / "inputs.pt")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "EnergyGatedLlamaAttention"
+
+
 def test_remove_energy_gates_restores_the_stock_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
     ids, mask, positions = padded_batch()
@@ -336,6 +364,21 @@ def test_gates_only_file_round_trip_and_refusals(tmp_path):
         load_energy_gates(AutoModelForCausalLM.from_pretrained(tmp_path / "g"), tmp_path / "corrupt.safetensors")
     with pytest.raises(FileNotFoundError):
         load_energy_gates(model, tmp_path / "missing.safetensors")
+    bare = GPT2Model.from_pretrained(tmp_path / "g")  # the same family without the LM head: other weight names
+    with pytest.raises(ValueError, match="saved from a GPT2LMHeadModel, this model is a GPT2Model"):
+        load_energy_gates(bare, path)
+    assert not has_energy_gates(bare)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, framework="pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        metadata = handle.metadata()
+    description = json.loads(metadata["hf_spectral_energy_gates"])
+    metadata["hf_spectral_energy_gates"] = json.dumps({**description, "format_version": 99})
+    save_file(tensors, tmp_path / "future.safetensors", metadata=metadata)
+    with pytest.raises(ValueError, match="format version 99"):
+        load_energy_gates(AutoModelForCausalLM.from_pretrained(tmp_path / "g"), tmp_path / "future.safetensors")
 
 
 def test_gates_train_next_to_lora_and_live_in_the_adapter(tmp_path):
