@@ -5,7 +5,10 @@ NaN from a sweep is refused where it enters instead of turning into NaN logits (
 Booleans are refused where numbers are expected (``True`` is an ``int`` to Python, never a size or a rate here).
 """
 
+import contextvars
 import dataclasses
+import difflib
+import functools
 import math
 
 from .remote_code import save_pretrained_with_code
@@ -132,6 +135,43 @@ def take_field_overrides(config_class, kwargs: dict) -> dict:
     return {name: kwargs.pop(name) for name in own if name in kwargs}
 
 
+@functools.cache
+def known_config_keys(config_class) -> frozenset[str]:
+    """Every key a ``config_class`` (a ``PreTrainedConfig`` dataclass) knows: its fields (with the base config's),
+    its ``attribute_map`` aliases, and the keys transformers itself writes into a config.json or reads from the
+    constructor's keywords (``_name_or_path``, ``auto_map``, ``attn_implementation``, generation parameters...)."""
+    from transformers import GenerationConfig, PreTrainedConfig
+
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    base = {field.name for field in dataclasses.fields(PreTrainedConfig)}
+    attribute_map = getattr(config_class, "attribute_map", {}) or {}
+    known = fields | base | _TRANSFORMERS_KEYS | set(attribute_map) | set(PreTrainedConfig().to_dict())
+    return frozenset(known | set(GenerationConfig._get_default_generation_params()))
+
+
+def describe_unknown_keys(config_class, keys) -> str:
+    """``keys`` (unknown to ``config_class``) as a readable list, each with the closest field name when one is close
+    (``energy_normalisation`` → ``energy_normalization``)."""
+    fields = sorted(field.name for field in dataclasses.fields(config_class))
+    described = []
+    for key in keys:
+        close = difflib.get_close_matches(key, fields, n=1)
+        described.append(f"`{key}` (did you mean `{close[0]}`?)" if close else f"`{key}`")
+    return ", ".join(described)
+
+
+def check_known_keys(config_class, keys, where: str) -> None:
+    """Raise a ``ValueError`` naming the ``keys`` that ``config_class`` does not know (`known_config_keys`), for the
+    calls (``where``, e.g. ``EGAConfig.from_variant``) that take field values only: there a misspelt field would
+    otherwise become a stray attribute while the field keeps its default."""
+    unknown = [key for key in keys if key not in known_config_keys(config_class)]
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown keyword(s) {describe_unknown_keys(config_class, unknown)}; the fields of "
+            f"{config_class.__name__} are listed in its docstring"
+        )
+
+
 def warn_about_loaded_keys(config_class, config_dict: dict, logger) -> None:
     """Warn, naming them, about the config class's own fields that ``config_dict`` (a loaded config.json) lacks —
     their defaults then decide the computation, which may not be what the checkpoint was trained with — and about
@@ -139,15 +179,12 @@ def warn_about_loaded_keys(config_class, config_dict: dict, logger) -> None:
 
     A config saved by ``save_pretrained`` holds every field of its class that transformers' base config does not
     have, so loading one is silent."""
-    from transformers import GenerationConfig, PreTrainedConfig
+    from transformers import PreTrainedConfig
 
     base = {field.name for field in dataclasses.fields(PreTrainedConfig)}
     fields = {field.name for field in dataclasses.fields(config_class)}
-    attribute_map = getattr(config_class, "attribute_map", {}) or {}
     missing = sorted(name for name in fields - base if name not in config_dict)
-    known = fields | base | _TRANSFORMERS_KEYS | set(attribute_map) | set(PreTrainedConfig().to_dict())
-    known |= set(GenerationConfig._get_default_generation_params())
-    unknown = sorted(key for key in config_dict if key not in known)
+    unknown = sorted(key for key in config_dict if key not in known_config_keys(config_class))
     name = config_class.__name__
     if missing:
         defaults = ", ".join(f"{field}={getattr(config_class, field, None)!r}" for field in missing)
@@ -162,6 +199,11 @@ def warn_about_loaded_keys(config_class, config_dict: dict, logger) -> None:
         )
 
 
+# True while `CheckedConfigMixin.from_dict` builds a config: the loaded keys were already checked (and warned about as
+# keys of the loaded config), so the constructor does not warn about them a second time.
+_LOADING_CONFIG = contextvars.ContextVar("hf_spectral_loading_config", default=False)
+
+
 class CheckedConfigMixin:
     """What the package's checked configs (`EGAConfig`, `ChiarConfig`) add to ``PreTrainedConfig``; put it before
     ``PreTrainedConfig`` in the bases. The config defines ``_validate()``, which runs every check of its values.
@@ -170,8 +212,25 @@ class CheckedConfigMixin:
       ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works where hf_spectral is not installed;
     * ``validate_field_values``, a `@strict` class validator, re-runs ``_validate()`` on ``save_pretrained``;
     * ``from_dict`` checks overriding fields together with the file's values and warns about missing and unknown
-      keys (`take_field_overrides`, `warn_about_loaded_keys`), through the logger of the config's module.
+      keys (`take_field_overrides`, `warn_about_loaded_keys`), through the logger of the config's module;
+    * the constructor warns about keywords that are no field (``EGAConfig(energy_normalisation="window")``):
+      transformers keeps them as attributes by design, so they are not refused, but a misspelt field would
+      otherwise leave the field at its default without a word.
     """
+
+    def __post_init__(self, **kwargs):
+        # `kwargs` holds the keywords that are no dataclass field (transformers sets them as plain attributes).
+        if kwargs and not _LOADING_CONFIG.get():
+            unknown = [key for key in kwargs if key not in known_config_keys(type(self))]
+            if unknown:
+                from transformers.utils import logging
+
+                name = type(self).__name__
+                logging.get_logger(type(self).__module__).warning(
+                    f"{name}: keyword(s) that are no {name} field, kept as plain attributes the models do not read: "
+                    f"{describe_unknown_keys(type(self), unknown)}"
+                )
+        super().__post_init__(**kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' ``save_pretrained``, then the model code beside the config (``ops/remote_code.py``), so that
@@ -192,12 +251,19 @@ class CheckedConfigMixin:
 
         config_dict = {**config_dict, **take_field_overrides(cls, kwargs)}
         warn_about_loaded_keys(cls, config_dict, logging.get_logger(cls.__module__))
-        return super().from_dict(config_dict, **kwargs)
+        loading = _LOADING_CONFIG.set(True)
+        try:
+            return super().from_dict(config_dict, **kwargs)
+        finally:
+            _LOADING_CONFIG.reset(loading)
 
 
 __all__ = [
     "CheckedConfigMixin",
     "check_energy_settings",
+    "check_known_keys",
+    "describe_unknown_keys",
+    "known_config_keys",
     "take_field_overrides",
     "warn_about_loaded_keys",
     "check_bool",

@@ -5,7 +5,11 @@ d = 256). Thresholds depend on the width, the data and the training state, so a 
 any other model: calibrate after (or during) training, on a sample of the training data.
 """
 
-from collections.abc import Iterable, Sequence
+import copy
+import itertools
+import math
+import numbers
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -45,6 +49,17 @@ def measure_entropies(model, dataloader: Iterable, max_batches: int | None = Non
     return [torch.cat(store) for store in collected]
 
 
+# The config fields `calibrate_thresholds` may change.
+_THRESHOLD_FIELDS = ("layer_thresholds", "tau_lo", "tau_mid", "tau_hi")
+
+
+def _is_percentile(value) -> bool:
+    """A real number (not a bool, a string or NaN) in [0, 100]."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and (
+        0 <= value <= 100
+    )
+
+
 def _percentiles(values: torch.Tensor, percentiles: Sequence[float]) -> list[float]:
     q = torch.tensor([p / 100.0 for p in percentiles], dtype=torch.float64)
     return [float(v) for v in torch.quantile(values.double(), q)]
@@ -61,9 +76,11 @@ def calibrate_thresholds(
 
     Args:
         model: a CHIAR-Former (any head) with threshold routing.
-        dataloader: see :func:`measure_entropies`; it is iterated once per pass, so it must be re-iterable.
-        percentiles: one value (τ_mid, 2 routed operators) or two (τ_lo, τ_hi, 3 operators) in [0, 100];
-            default 75 (≈ 25% of tokens to attention) or the authors' 33 / 67.
+        dataloader: see :func:`measure_entropies`; it is iterated once per pass. With ``per_layer=True`` a
+            one-shot iterator (a generator) is first read into a list (up to ``max_batches`` batches), so its
+            batches are held in memory for the passes of every routed layer.
+        percentiles: a sequence of one value (τ_mid, 2 routed operators) or two (τ_lo, τ_hi, 3 operators) in
+            [0, 100]; default 75 (≈ 25% of tokens to attention) or the authors' 33 / 67.
         per_layer: False (default): one τ set shared by all routed layers (the `tau_*` fields), from the pooled
             entropies of every routed layer in a single pass. True: one set per routed layer (`layer_thresholds`),
             calibrated layer after layer — each layer's entropies are measured with the earlier layers already
@@ -71,7 +88,8 @@ def calibrate_thresholds(
         max_batches: stop each pass after this many batches.
 
     Returns ``{"thresholds": {layer index: [τ...]}, "percentiles": [...]}``; the model routes with the new
-    thresholds from its next forward pass on.
+    thresholds from its next forward pass on. When a pass fails, the config's thresholds are restored before the
+    error propagates.
     """
     config = model.config
     if config.router_type != "threshold":
@@ -79,15 +97,29 @@ def calibrate_thresholds(
     if not config.routed_layers:
         raise ValueError("the model has no routed layer (`layer_operators` has no 'routed' entry)")
     num_thresholds = len(config.routed_operators) - 1
-    percentiles = tuple(percentiles) if percentiles is not None else DEFAULT_PERCENTILES[num_thresholds + 1]
-    if len(percentiles) != num_thresholds or any(not 0 <= p <= 100 for p in percentiles):
-        raise ValueError(
-            f"`percentiles` must hold {num_thresholds} value(s) in [0, 100] for {num_thresholds + 1} routed operators, "
-            f"got {percentiles!r}"
-        )
+    expected = (
+        f"`percentiles` must be a sequence of {num_thresholds} real number(s) in [0, 100] for {num_thresholds + 1} "
+        "routed operators"
+    )
+    if percentiles is None:
+        percentiles = DEFAULT_PERCENTILES[num_thresholds + 1]
+    # A bare number or a string would otherwise fail inside tuple() or a comparison with a raw TypeError.
+    if not isinstance(percentiles, Sequence) or isinstance(percentiles, (str, bytes)):
+        raise ValueError(f"{expected}, got {percentiles!r}")
+    if len(percentiles) != num_thresholds or any(not _is_percentile(p) for p in percentiles):
+        raise ValueError(f"{expected}, got {percentiles!r}")
+    percentiles = tuple(percentiles)
     if list(percentiles) != sorted(percentiles):
         raise ValueError(f"`percentiles` must be non-decreasing, got {percentiles!r}")
 
+    if per_layer and isinstance(dataloader, Iterator):
+        # A one-shot iterator (a generator: `iter(x) is x`) would be exhausted after the first layer's pass; keep its
+        # batches for the passes of the later layers. (Tested without calling `iter`, which on a DataLoader would
+        # start its workers for nothing.)
+        dataloader = list(itertools.islice(dataloader, max_batches) if max_batches is not None else dataloader)
+
+    # The fields this function sets, restored when a pass fails so that the model is not left half-calibrated.
+    original = {name: copy.deepcopy(getattr(config, name)) for name in _THRESHOLD_FIELDS}
     was_training = model.training
     model.eval()
     try:
@@ -107,6 +139,10 @@ def calibrate_thresholds(
                 config.tau_lo, config.tau_hi = values
             config.layer_thresholds = None
             result = dict.fromkeys(config.routed_layers, values)
+    except BaseException:
+        for name, value in original.items():
+            setattr(config, name, value)
+        raise
     finally:
         model.train(was_training)
     return {"thresholds": result, "percentiles": list(percentiles)}

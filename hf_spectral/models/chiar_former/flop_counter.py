@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ...ops.validation import check_positive_int
 from .configuration_chiar_former import ChiarConfig
 
 
@@ -72,6 +73,68 @@ def _rbf_flops(config: ChiarConfig, batch: int, length: int, selected: int) -> i
     return flops + 2 * selected * d * d  # output projection of the tokens that took the operator
 
 
+def _check_arguments(config, batch_size, seq_len, routing_decisions, attention_mask, past_length, lm_head_positions):
+    """Refuse arguments that would give a wrong count without an error (a negative LM head, route ids of no
+    operator) or a raw broadcasting error deep inside the count (mis-shaped decisions or mask)."""
+    if not isinstance(config, ChiarConfig):
+        hint = " (a model? pass `model.config`)" if isinstance(getattr(config, "config", None), ChiarConfig) else ""
+        raise TypeError(f"`config` must be a ChiarConfig{hint}, got {type(config).__name__}")
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("seq_len", seq_len)
+    if not isinstance(past_length, int) or isinstance(past_length, bool) or past_length < 0:
+        raise ValueError(f"`past_length` must be an integer >= 0, got {past_length!r}")
+    if lm_head_positions is not None and (
+        not isinstance(lm_head_positions, int) or isinstance(lm_head_positions, bool)
+        or not 0 <= lm_head_positions <= seq_len
+    ):
+        raise ValueError(
+            f"`lm_head_positions` must be None or an integer in [0, seq_len={seq_len}], got {lm_head_positions!r}"
+        )
+
+    # One decision tensor per routed layer only: non-routed layers have none (a model with no routed layer: `()`).
+    if not isinstance(routing_decisions, (list, tuple)):
+        raise TypeError(
+            "`routing_decisions` must be a tuple or list of (batch, seq_len) tensors, one per routed layer (the "
+            f"model output's `routing_decisions`), got {type(routing_decisions).__name__}"
+        )
+    routed_layers = config.routed_layers
+    if len(routing_decisions) != len(routed_layers):
+        raise ValueError(
+            f"`routing_decisions`: expected {len(routed_layers)} routing decisions (one per routed layer "
+            f"{routed_layers}), got {len(routing_decisions)}"
+        )
+    num_operators = len(config.routed_operators)
+    for position, (layer_idx, routes) in enumerate(zip(routed_layers, routing_decisions)):
+        name = f"routing_decisions[{position}]` (layer {layer_idx})"
+        if not isinstance(routes, torch.Tensor) or routes.dtype.is_floating_point or routes.dtype.is_complex or (
+            routes.dtype == torch.bool
+        ):
+            described = routes.dtype if isinstance(routes, torch.Tensor) else type(routes).__name__
+            raise TypeError(f"`{name} must be an integer tensor of operator indices, got {described}")
+        if tuple(routes.shape) != (batch_size, seq_len):
+            raise ValueError(
+                f"`{name} must have shape (batch_size, seq_len) = ({batch_size}, {seq_len}), "
+                f"got {tuple(routes.shape)}"
+            )
+        low, high = int(routes.min()), int(routes.max())
+        if low < 0 or high >= num_operators:
+            raise ValueError(
+                f"`{name} must hold operator indices in [0, {num_operators}) (`config.routed_operators`="
+                f"{config.routed_operators}), got values in [{low}, {high}]"
+            )
+
+    if attention_mask is not None:
+        # The padding mask covers the cached positions and the new ones, as the model's forward pass requires.
+        width = past_length + seq_len
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"`attention_mask` must be a tensor or None, got {type(attention_mask).__name__}")
+        if tuple(attention_mask.shape) != (batch_size, width):
+            raise ValueError(
+                f"`attention_mask` must have shape (batch_size, past_length + seq_len) = ({batch_size}, {width}), "
+                f"got {tuple(attention_mask.shape)}"
+            )
+
+
 def count_flops(
     config: ChiarConfig,
     batch_size: int,
@@ -88,10 +151,11 @@ def count_flops(
     head over that many positions per row (None: no head). Returns ``{"attention", "attention_core", "dct",
     "rbf", "ffn", "router", "lm_head", "total", "per_layer"}``; ``per_layer`` holds one such dict per layer.
     ``router`` is the routing cost: the entropy's dot products and, for hard / soft routing, the router projection.
+    Arguments that do not describe a possible forward pass of ``config`` (a shape, a route id or a count out of
+    range) raise a ``ValueError`` naming the argument, a wrong type (a model instead of its config) a ``TypeError``.
     """
+    _check_arguments(config, batch_size, seq_len, routing_decisions, attention_mask, past_length, lm_head_positions)
     routed_layers = config.routed_layers
-    if len(routing_decisions) != len(routed_layers):
-        raise ValueError(f"expected {len(routed_layers)} routing decisions (one per routed layer), got {len(routing_decisions)}")
     d = config.hidden_size
     tokens = batch_size * seq_len
     if attention_mask is None:

@@ -16,6 +16,7 @@ from ...ops.validation import (
     check_energy_settings,
     check_finite,
     check_index_list,
+    check_known_keys,
     check_non_negative,
     check_positive,
     check_positive_int,
@@ -50,7 +51,8 @@ class EGAConfig(CheckedConfigMixin, PreTrainedConfig):
     value, and a setting the chosen energy would ignore (e.g. `energy_projections=3` with `energy_kind="conv"`)
     raise a `ValueError` naming the field and the value. Loading a config.json that lacks one of these fields (its
     default then decides the computation) or has keys that are no field (e.g. a misspelt `energy_normalisation`)
-    logs a warning naming them.
+    logs a warning naming them; so does such a keyword given to the constructor (transformers keeps it as an
+    attribute), while `from_variant` refuses it.
 
     Args:
         vocab_size (`int`): Number of token ids.
@@ -192,10 +194,13 @@ class EGAConfig(CheckedConfigMixin, PreTrainedConfig):
     def from_variant(cls, variant: str, **kwargs) -> "EGAConfig":
         """Config of one of the papers' models: BASE, EGA-1, EGA-2, EGA-4, EGA-C, EGA-M-F, EGA-M, EGA-DB2, EGA-DB4.
 
-        ``kwargs`` override the size or any other field, e.g. ``from_variant("EGA-1", energy_normalization="window")``.
+        ``kwargs`` override the size or any other field, e.g. ``from_variant("EGA-1", energy_normalization="window")``;
+        a keyword that is no field (a misspelt ``energy_normalisation``) raises a ``ValueError`` naming it.
         """
         if variant not in VARIANTS:
             raise ValueError(f"unknown EGA variant {variant!r}; choose one of {list(VARIANTS)}")
+        # Unlike the constructor (which transformers lets keep extra attributes), this call takes field values only.
+        check_known_keys(cls, kwargs, f"EGAConfig.from_variant({variant!r})")
         return cls(**{**VARIANTS[variant], **kwargs})
 
 

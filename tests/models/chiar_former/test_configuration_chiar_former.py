@@ -176,3 +176,25 @@ def test_a_bad_value_assigned_after_construction_is_refused_at_save(tmp_path):
     with pytest.raises(StrictDataclassClassValidationError, match=r"`layer_thresholds\[0\]=\[0.5\]` would be ignored"):
         config.save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_the_constructor_warns_about_an_unknown_keyword_but_not_about_transformers_keys(tmp_path, caplog):
+    def constructor_warnings():
+        return [r.getMessage() for r in caplog.records if "kept as plain attributes" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING):
+        config = tiny_config(router="hard", attn_implementation="eager")
+    assert config.router == "hard" and config.router_type == "threshold"  # kept, but no field: hence the warning
+    assert constructor_warnings() == [
+        "ChiarConfig: keyword(s) that are no ChiarConfig field, kept as plain attributes the models do not read: "
+        "`router` (did you mean `router_type`?)"
+    ]
+    config = tiny_config(attn_implementation="eager", num_labels=4)
+    config.architectures = ["ChiarForCausalLM"]
+    config.save_pretrained(tmp_path)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ChiarConfig(**{**config.to_dict(), "routed_execution": "dense"})
+        ChiarConfig.from_pretrained(tmp_path)
+        AutoConfig.from_pretrained(tmp_path)
+    assert constructor_warnings() == []

@@ -142,6 +142,56 @@ def test_calibration_rejects_learned_routers_and_bad_percentiles():
         calibrate_thresholds(build(ChiarForCausalLM, tiny_config()), [ids], percentiles=(33.0, 67.0))
 
 
+
+@pytest.mark.parametrize("percentiles", [75, 75.0, "75", ["75"], [True], [float("nan")], [101.0], (25.0, 75.0)])
+def test_calibration_refuses_percentiles_that_are_not_a_sequence_of_numbers_in_range(percentiles):
+    # A bare number or a string once failed with a raw TypeError from `tuple()` or a comparison.
+    model = build(ChiarForCausalLM, tiny_config())
+    with pytest.raises(ValueError, match="`percentiles` must be a sequence of 1 real number"):
+        calibrate_thresholds(model, [random_ids(1, 8)], percentiles=percentiles)
+    assert model.config.layer_thresholds is None and model.config.tau_mid == tiny_config().tau_mid
+
+
+def test_per_layer_calibration_reads_a_generator_once_for_every_layer():
+    # Every routed layer needs its own pass; a generator is exhausted after the first one and once made the second
+    # layer's pass fail with "the dataloader yielded no batches", the first layer already recalibrated.
+    ids = random_ids(4, 32, seed=4)
+    from_list = build(ChiarForCausalLM, tiny_config())
+    from_generator = build(ChiarForCausalLM, tiny_config())
+    expected = calibrate_thresholds(from_list, [ids[:2], ids[2:]], per_layer=True)
+    result = calibrate_thresholds(from_generator, (batch for batch in (ids[:2], ids[2:])), per_layer=True)
+    assert result == expected and from_generator.config.layer_thresholds == from_list.config.layer_thresholds
+    # With max_batches, only that many batches are read from the generator (the pass of each layer sees the same).
+    limited = build(ChiarForCausalLM, tiny_config())
+    calibrate_thresholds(limited, (batch for batch in (ids[:2], ids[2:])), per_layer=True, max_batches=1)
+    calibrate_thresholds(from_list, [ids[:2]], per_layer=True)
+    assert limited.config.layer_thresholds == from_list.config.layer_thresholds
+
+
+class _FailingOnPass:
+    """A re-iterable dataloader whose pass number ``failing_pass`` (1-based) raises after one batch."""
+
+    def __init__(self, batch: torch.Tensor, failing_pass: int):
+        self.batch, self.failing_pass, self.passes = batch, failing_pass, 0
+
+    def __iter__(self):
+        self.passes += 1
+        yield self.batch
+        if self.passes == self.failing_pass:
+            raise RuntimeError("the data source failed")
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_failed_calibration_restores_the_thresholds(per_layer):
+    # Per layer, the first routed layer is calibrated before the second layer's pass fails: the config must not be
+    # left half-calibrated (the shared calibration fails in its only pass, before setting anything).
+    model = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "rbf", "attention"]))
+    model.config.layer_thresholds = [None, [0.1, 0.2], None, None]
+    before = {name: getattr(model.config, name) for name in ("layer_thresholds", "tau_lo", "tau_mid", "tau_hi")}
+    with pytest.raises(RuntimeError, match="the data source failed"):
+        calibrate_thresholds(model, _FailingOnPass(random_ids(2, 16), 2 if per_layer else 1), per_layer=per_layer)
+    assert {name: getattr(model.config, name) for name in before} == before
+
 def test_straight_through_estimator_passes_gradients_to_the_router():
     ids = random_ids(2, 16, seed=6)
     model = build(ChiarForCausalLM, tiny_config(router_type="hard", routed_operators=["dct", "rbf", "attention"]))
@@ -452,6 +502,41 @@ def test_flop_counter_attention_falls_with_the_routed_fraction():
     assert sparse["total"] < dense["total"]
     with pytest.raises(ValueError, match="routing decisions"):
         count_flops(model.config, 2, 32, ())
+
+
+def _routes(value: int, shape=(2, 16)) -> list[torch.Tensor]:
+    """Decisions of the default 4-layer config (routed layers 1 and 2) that send every token to route ``value``."""
+    return [torch.full(shape, value), torch.full(shape, value)]
+
+
+@pytest.mark.parametrize("arguments, error, match", [
+    (dict(config="model"), TypeError, r"`config` must be a ChiarConfig \(a model"),
+    (dict(config={"hidden_size": 32}), TypeError, "`config` must be a ChiarConfig"),
+    (dict(batch_size=0), ValueError, "`batch_size`"),
+    (dict(seq_len=2.0), ValueError, "`seq_len`"),
+    (dict(past_length=-1), ValueError, "`past_length`"),
+    (dict(lm_head_positions=-1), ValueError, "`lm_head_positions`.*got -1"),
+    (dict(lm_head_positions=17), ValueError, "`lm_head_positions`.*seq_len=16.*got 17"),
+    (dict(routing_decisions=None), TypeError, "`routing_decisions` must be a tuple or list"),
+    (dict(routing_decisions=_routes(1)[:1]), ValueError, "`routing_decisions`: expected 2"),
+    (dict(routing_decisions=_routes(2)), ValueError, r"`routing_decisions\[0\]`.*\[0, 2\).*\[2, 2\]"),
+    (dict(routing_decisions=_routes(-1)), ValueError, r"`routing_decisions\[0\]`.*\[-1, -1\]"),
+    (dict(routing_decisions=_routes(1, (16, 2))), ValueError, r"`routing_decisions\[0\]`.*\(2, 16\)"),
+    (dict(routing_decisions=[r.float() for r in _routes(1)]), TypeError, r"`routing_decisions\[0\]`.*integer"),
+    (dict(attention_mask=torch.ones(2, 10)), ValueError, r"`attention_mask`.*\(2, 16\).*\(2, 10\)"),
+    (dict(attention_mask=torch.ones(2, 16), past_length=4), ValueError, r"`attention_mask`.*\(2, 20\)"),
+])
+def test_flop_counter_refuses_arguments_of_no_possible_forward_pass(arguments, error, match):
+    # Each of these once gave a silently wrong count (negative LM head FLOPs, route ids of no operator counted as
+    # nothing) or a raw broadcasting error; every one names the argument.
+    config = tiny_config()
+    valid = dict(config=config, batch_size=2, seq_len=16, routing_decisions=_routes(1), attention_mask=None,
+                 past_length=0, lm_head_positions=16)
+    if arguments.get("config") == "model":
+        arguments = {**arguments, "config": ChiarForCausalLM(config)}
+    count_flops(**valid)  # the valid call counts
+    with pytest.raises(error, match=match):
+        count_flops(**{**valid, **arguments})
 
 
 def test_chunked_sparse_attention_equals_dense_on_long_sequences():

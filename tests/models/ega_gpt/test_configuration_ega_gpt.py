@@ -132,6 +132,55 @@ def test_unknown_variant_lists_the_known_ones():
         EGAConfig.from_variant("EGA-7")
 
 
+
+def test_from_variant_refuses_an_unknown_keyword_naming_the_closest_field():
+    # A misspelt field once became a stray attribute while the field kept its default (`energy_normalization` stayed
+    # 'causal' with `energy_normalisation="window"`).
+    with pytest.raises(ValueError, match=r"from_variant\('EGA-1'\): unknown keyword\(s\) `energy_normalisation` "
+                                         r"\(did you mean `energy_normalization`\?\), `zzz`;"):
+        EGAConfig.from_variant("EGA-1", energy_normalisation="window", zzz=1, hidden_size=32, num_attention_heads=4)
+    # Keys transformers' base config takes are no typo.
+    config = EGAConfig.from_variant("EGA-2", hidden_size=32, num_attention_heads=4, attn_implementation="eager",
+                                    dtype="float32", num_labels=3, pad_token_id=0, tie_word_embeddings=False)
+    assert config._attn_implementation == "eager" and config.num_labels == 3 and config.energy_projections == 2
+
+
+def _constructor_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "kept as plain attributes" in r.getMessage()]
+
+
+def test_the_constructor_keeps_an_unknown_keyword_but_warns_naming_it(caplog):
+    with caplog.at_level(logging.WARNING):
+        config = EGAConfig(energy_normalisation="window", hidden_size=32, num_attention_heads=4)
+    assert config.energy_normalisation == "window"  # transformers keeps extra attributes by design
+    assert _constructor_warnings(caplog) == [
+        "EGAConfig: keyword(s) that are no EGAConfig field, kept as plain attributes the models do not read: "
+        "`energy_normalisation` (did you mean `energy_normalization`?)"
+    ]
+
+
+def test_transformers_own_keywords_do_not_warn(tmp_path, caplog):
+    config = EGAConfig(hidden_size=32, num_attention_heads=4, attn_implementation="eager", num_labels=3)
+    config.architectures = ["EGAForCausalLM"]
+    config.save_pretrained(tmp_path)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        EGAConfig(**config.to_dict())
+        EGAConfig.from_dict(config.to_dict(), attn_implementation="sdpa")
+        EGAConfig.from_pretrained(tmp_path)  # `auto_map`, `transformers_version`, `dtype`...
+        AutoConfig.from_pretrained(tmp_path)
+    assert _constructor_warnings(caplog) == []
+
+
+def test_a_loaded_unknown_key_warns_once(tmp_path, caplog):
+    values = saved_config(tmp_path)
+    values["gate_temperature"] = 3.0
+    write_config(tmp_path, values)
+    with caplog.at_level(logging.WARNING):
+        EGAConfig.from_pretrained(tmp_path)
+    assert [r for r in caplog.records if "gate_temperature" in r.getMessage()] != []
+    assert _constructor_warnings(caplog) == []  # only the loaded config's warning
+
 def test_authors_setup_has_12480_gate_parameters():
     """SPEC 1.1: 260 per head at C = 256, 12,480 for 6 layers x 8 heads, ~0.26% of the model."""
     model = EGAForCausalLM(EGAConfig())
