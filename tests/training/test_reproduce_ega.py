@@ -21,14 +21,16 @@ def test_the_plan_covers_three_seeds_of_the_main_models_and_one_of_every_other_v
     assert all("EGA-1" in l or "BASE" in l for l in lines[:18])
 
 
-def _fake_summary(variant, normalization, seed, val, train, leak_free=None, tau=None):
+def _fake_summary(variant, normalization, seed, val, train, leak_free=None, tau=None, offset=0.0):
+    """``offset``: the ordinary loss on the leak-free evaluation's blocks minus ``val`` (another subset)."""
     summary = {"variant": variant, "normalization": normalization, "seed": seed, "val_loss": val, "train_loss": train,
                "generalization_gap": val - train, "train_seconds": 60.0, "preset": {
                    "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 128, "context_length": 128,
                    "batch_size": 16, "max_steps": 800, "warmup_steps": 80, "learning_rate": 1e-3, "dropout": 0.1},
                "log_history": [{"step": 100, "eval_validation_curve_loss": val + 0.5}, {"step": 800, "loss": train}]}
+    summary["val_loss_same_blocks"] = val + offset
     if leak_free is not None:
-        summary.update(val_loss_leak_free=leak_free, val_loss_same_blocks=val)
+        summary["val_loss_leak_free"] = leak_free
     if tau is not None:
         summary["gates"] = {"tau_mean": tau}
     return summary
@@ -40,10 +42,11 @@ def test_aggregation_reports_means_paired_deltas_and_leak_free_comparison(tmp_pa
             "--output_dir", str(out), "--results_dir", str(tmp_path / "results")]
     base = {0: 1.50, 1: 1.54}
     for seed in (0, 1):
-        runs = [_fake_summary("BASE", "none", seed, base[seed], base[seed] - 0.05),
-                _fake_summary("EGA-1", "causal", seed, base[seed] - 0.02, base[seed] - 0.06, tau=0.1 * seed),
+        # The leak-free blocks score 0.05 higher than the final evaluation's subset, for every model.
+        runs = [_fake_summary("BASE", "none", seed, base[seed], base[seed] - 0.05, offset=0.05),
+                _fake_summary("EGA-1", "causal", seed, base[seed] - 0.02, base[seed] - 0.06, tau=0.1 * seed, offset=0.05),
                 _fake_summary("EGA-1", "window", seed, base[seed] - 0.10, base[seed] - 0.12,
-                              leak_free=base[seed] + 0.30, tau=0.3)]
+                              leak_free=base[seed] + 0.30, tau=0.3, offset=0.05)]
         if seed == 0:
             runs += [_fake_summary(v, "causal", 0, 1.6, 1.5, tau=0.0)
                      for v in ("EGA-2", "EGA-4", "EGA-C", "EGA-M-F", "EGA-M", "EGA-DB2", "EGA-DB4")]
@@ -57,11 +60,13 @@ def test_aggregation_reports_means_paired_deltas_and_leak_free_comparison(tmp_pa
     assert rows["BASE"]["val_loss_mean"] == pytest.approx(1.52)
     assert rows["BASE"]["val_loss_std"] == pytest.approx(statistics.stdev([1.50, 1.54]))
     assert rows["EGA-1 (causal)"]["delta_vs_base"] == pytest.approx(0.02)
-    # The window model looks better by its leaky loss but is judged by its leak-free loss.
-    assert rows["EGA-1 (window)"]["delta_vs_base"] == pytest.approx(-0.30)
+    # The window model looks better by its leaky loss but is judged by its leak-free loss, against BASE's loss on
+    # the same blocks (base + 0.05), not on the final evaluation's subset.
+    assert rows["EGA-1 (window)"]["delta_vs_base"] == pytest.approx(-0.25)
     paired = record["paired_deltas"]
     assert paired["EGA-1 (window) ordinary loss vs BASE"]["mean"] == pytest.approx(0.10)
-    assert paired["EGA-1 (window) leak-free loss vs BASE"]["mean"] == pytest.approx(-0.30)
+    assert paired["EGA-1 (window) leak-free loss vs BASE"]["mean"] == pytest.approx(-0.25)
+    assert record["window_leak"]["window_ordinary_minus_leak_free"] == pytest.approx([-0.35, -0.35])
     assert rows["EGA-1 (causal)"]["tau_mean"] == pytest.approx(0.05)
     assert rows["EGA-1 (causal)"]["paper val"] == rows["EGA-1 (window)"]["paper val"] == "1.3712"
     assert (tmp_path / "results" / "tinyshakespeare.md").read_text().count("| EGA-") == 9

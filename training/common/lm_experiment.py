@@ -188,17 +188,28 @@ def batches_of(dataset, batch_size: int, limit: int | None):
         yield torch.as_tensor(dataset[start : min(start + batch_size, count)]["input_ids"], dtype=torch.long)
 
 
-def leak_free_evaluation(model, dataset, batch_size: int, limit: int | None) -> dict:
-    """Ordinary and leak-free loss on the same validation blocks (token-weighted means)."""
+def leak_free_evaluation(model, dataset, batch_size: int, limit: int | None, leak_free: bool = True) -> dict:
+    """Ordinary loss and (``leak_free``) leak-free loss on the leak-free evaluation's validation blocks (the first
+    ``limit`` batches; token-weighted means). Every model is scored on these blocks: a window model's leak-free loss
+    compares with BASE's ordinary loss on the same blocks, not with its ``val_loss`` (another subset)."""
+    import torch
+
     from hf_spectral.evaluation import causal_lm_losses
 
-    totals, tokens = {"loss": 0.0, "leak_free_loss": 0.0}, 0
+    totals, tokens = {"loss": 0.0, "leak_free_loss": 0.0} if leak_free else {"loss": 0.0}, 0
+    was_training = model.training
+    model.eval()
     for input_ids in batches_of(dataset, batch_size, limit):
-        losses = causal_lm_losses(model, input_ids)
+        if leak_free:
+            losses = causal_lm_losses(model, input_ids)
+        else:
+            with torch.no_grad():
+                losses = {"loss": float(model(input_ids=input_ids, labels=input_ids, use_cache=False).loss)}
         count = input_ids.shape[0] * (input_ids.shape[1] - 1)
         for key in totals:
             totals[key] += losses[key] * count
         tokens += count
+    model.train(was_training)
     return {key: value / tokens for key, value in totals.items()} | {"tokens": tokens}
 
 
@@ -290,10 +301,13 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
     )
     # Under FSDP every process holds a shard, so every process must run these forwards; otherwise only the main one.
     if is_main_process() or trainer.is_fsdp_enabled:
+        # Every model's ordinary loss on the leak-free blocks (`val_loss_same_blocks`), so that a window model's
+        # leak-free loss has a BASE loss on the same blocks to be compared with.
+        leak = leak_free_evaluation(model, data.datasets["validation"], preset.batch_size, preset.leak_free_batches,
+                                    leak_free=model.config.sees_future)
+        summary.update(val_loss_same_blocks=leak["loss"], leak_free_tokens=leak["tokens"])
         if model.config.sees_future:
-            leak = leak_free_evaluation(model, data.datasets["validation"], preset.batch_size, preset.leak_free_batches)
-            summary.update(val_loss_leak_free=leak["leak_free_loss"], val_loss_same_blocks=leak["loss"],
-                           leak_free_tokens=leak["tokens"])
+            summary["val_loss_leak_free"] = leak["leak_free_loss"]
         gates = tau_summary(model)
         if gates:
             summary["gates"] = gates
@@ -415,6 +429,14 @@ def _hardware_line(hardware: dict) -> str:
 # ------------------------------------------------------------------------------------------------------------
 
 
+def comparable_base(base_runs: list, leak_free: bool) -> float | None:
+    """BASE's mean loss to compare a model with: its ``val_loss`` for an ordinary loss; for a leak-free loss, its
+    ordinary loss on the leak-free evaluation's blocks (``val_loss_same_blocks``; None when a run lacks it)."""
+    key = "val_loss_same_blocks" if leak_free else "val_loss"
+    values = [s.get(key) for s in base_runs]
+    return statistics.fmean(values) if values and None not in values else None
+
+
 def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None) -> list:
     """One row per (variant, normalisation): mean ± std over seeds, Δ vs BASE (positive = better than BASE,
     as in SPEC 1.4), gap, learned τ, and the paper's numbers beside them."""
@@ -423,13 +445,15 @@ def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None)
         spec = RunSpec(summary["variant"], summary["normalization"], summary["seed"])
         groups.setdefault(spec.label, []).append(summary)
     base = mean_std([s["val_loss"] for s in groups.get("BASE", [])])[0]
+    base_same_blocks = comparable_base(groups.get("BASE", []), leak_free=True)
     paper_base = paper.get("BASE")
     rows = []
     for label, runs in groups.items():
         variant = runs[0]["variant"]
         val, val_std = mean_std([s["val_loss"] for s in runs])
         leak, leak_std = mean_std([s.get("val_loss_leak_free") for s in runs])
-        comparable = leak if leak is not None else val  # the leak-free loss is the one that compares with BASE
+        # A window model's leak-free loss is the one that compares with BASE, on the blocks it was measured on.
+        comparable, reference = (leak, base_same_blocks) if leak is not None else (val, base)
         gap, gap_std = mean_std([s["generalization_gap"] for s in runs])
         tau, tau_std = mean_std([s["gates"]["tau_mean"] for s in runs if s.get("gates")])
         rows.append({
@@ -437,7 +461,7 @@ def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None)
             "seeds": len(runs),
             "val loss": pm(val, val_std),
             "leak-free val loss": pm(leak, leak_std),
-            "Δ vs BASE": "" if base is None or label == "BASE" else f"{base - comparable:+.4f}",
+            "Δ vs BASE": "" if reference is None or label == "BASE" else f"{reference - comparable:+.4f}",
             "gap (val − train)": pm(gap, gap_std),
             "τ (mean)": pm(tau, tau_std, 3),
             "paper val": "" if paper.get(variant) is None else f"{paper[variant]:.4f}",
@@ -446,7 +470,7 @@ def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None)
             "paper gap": "" if not paper_gap or paper_gap.get(variant) is None else f"{paper_gap[variant]:.3f}",
             "val_loss_mean": val, "val_loss_std": val_std, "leak_free_mean": leak, "leak_free_std": leak_std,
             "gap_mean": gap, "gap_std": gap_std, "tau_mean": tau, "tau_std": tau_std,
-            "delta_vs_base": None if base is None or label == "BASE" else base - comparable,
+            "delta_vs_base": None if reference is None or label == "BASE" else reference - comparable,
         })
     return rows
 
@@ -482,14 +506,15 @@ def write_experiment_results(out, summaries, preset_name, preset, benchmark, dat
 def print_final_losses(summaries: list):
     """The numbers a user waits for, on their own lines at the end of the output."""
     print("\n" + "=" * 78)
-    base = [s["val_loss"] for s in summaries if s["variant"] == "BASE"]
-    base_mean = statistics.fmean(base) if base else None
+    base_runs = [s for s in summaries if s["variant"] == "BASE"]
     for summary in summaries:
         spec = RunSpec(summary["variant"], summary["normalization"], summary["seed"])
         line = f"validation loss  {spec.label:<22} seed {spec.seed}: {summary['val_loss']:.4f} nats/char"
-        if "val_loss_leak_free" in summary:
+        leak_free = "val_loss_leak_free" in summary
+        if leak_free:
             line += f"  (leak-free: {summary['val_loss_leak_free']:.4f}; the ordinary loss sees future tokens)"
-        comparable = summary.get("val_loss_leak_free", summary["val_loss"])
+        comparable = summary["val_loss_leak_free"] if leak_free else summary["val_loss"]
+        base_mean = comparable_base(base_runs, leak_free)
         if base_mean is not None and summary["variant"] != "BASE":
             line += f"  Δ vs BASE {base_mean - comparable:+.4f}"
         print(line)
