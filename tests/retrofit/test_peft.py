@@ -192,8 +192,9 @@ def test_a_failed_load_leaves_the_base_model_as_it_was(tmp_path):
     base_path, adapter, _ = trained_gated_adapter(tmp_path)
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["no_such_module"]}))
-    for load in (lambda model: PeftModel.from_pretrained(model, adapter), lambda model: load_gated_adapter(model, adapter),
-                 lambda model: model.load_adapter(str(adapter))):
+    loads = (lambda model: PeftModel.from_pretrained(model, adapter), lambda model: load_gated_adapter(model, adapter),
+             lambda model: model.load_adapter(str(adapter)))
+    for load in loads:
         base = AutoModelForCausalLM.from_pretrained(base_path)
         with pytest.raises(ValueError, match="target_modules|no_such_module"):
             load(base)

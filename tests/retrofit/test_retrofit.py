@@ -243,7 +243,8 @@ def test_a_gated_classification_head_built_through_automodel_loads_back(family, 
         expected = model(ids, attention_mask=mask, position_ids=positions).logits
         assert torch.equal(loaded(ids, attention_mask=mask, position_ids=positions).logits, expected)
     inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
-    remote, loaded_class = load_without_plugin(tmp_path / "gated", "AutoModelForSequenceClassification", inputs, tmp_path)
+    auto_class = "AutoModelForSequenceClassification"
+    remote, loaded_class = load_without_plugin(tmp_path / "gated", auto_class, inputs, tmp_path)
     assert loaded_class.endswith(".modeling_energy_gated." + type(model).__name__)
     torch.testing.assert_close(remote, expected, atol=1e-5, rtol=1e-5)
     causal = AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
