@@ -273,24 +273,48 @@ def median_of_runs(runs: int) -> list[dict]:
     return rows
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def percent(text: str) -> float:
+    """An argparse ``type`` for ``--attention-percent``: a share of the tokens, in [0, 100]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0 <= value <= 100:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"a percentage of the tokens must be in [0, 100], got {text}")
+    return value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
-    parser.add_argument("--backends", nargs="+", default=["sdpa", "flex_attention"], choices=["sdpa", "flex_attention", "eager"])
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--attention-percent", type=float, default=25.0, help="tokens routed to attention in L2-L3")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seq-lens", type=positive_int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--backends", nargs="+", default=["sdpa", "flex_attention"],
+                        choices=["sdpa", "flex_attention", "eager"])
+    parser.add_argument("--batch-size", type=positive_int, default=2)
+    parser.add_argument("--hidden-size", type=positive_int, default=256)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--vocab-size", type=positive_int, default=256)
+    parser.add_argument("--attention-percent", type=percent, default=25.0,
+                        help="tokens routed to attention in L2-L3 (0 to 100)")
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument(
-        "--threads", type=int, nargs="+", default=[1, torch.get_num_threads()],
+        "--threads", type=positive_int, nargs="+", default=[1, torch.get_num_threads()],
         help="torch threads, one full measurement per value (default: 1 and torch's default)",
     )
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--quick", action="store_true", help="T = 256 and 512, SDPA, 1 thread, 3 repeats")
     parser.add_argument("--write", metavar="DIR", help="also write chiar_former.json / .md into DIR")
-    parser.add_argument("--runs", type=int, default=1,
+    parser.add_argument("--runs", type=positive_int, default=1,
                         help="repeat the whole benchmark in this many fresh processes and report each measurement's "
                         "median (single runs on a shared machine move by several points)")
     args = parser.parse_args()

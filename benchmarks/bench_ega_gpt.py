@@ -48,6 +48,7 @@ from benchmarks.timing import (  # noqa: E402
 
 SIZE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, vocab_size=65)
 SPEED_TARGET, MEMORY_TARGET = 0.95, 1.10
+BACKENDS = ("sdpa", "flex_attention", "eager")  # what --backends may name
 
 # What the measurements showed when a target was missed (the gate's work that the baseline does not do).
 REASONS = {
@@ -285,12 +286,45 @@ def aggregate_runs(args):
     print(notes)
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def thread_counts(text: str) -> str:
+    """An argparse ``type`` for ``--threads``: comma-separated counts, each 0 (torch's default) or more; the text is
+    kept as given (it is recorded in the results and passed on to the memory subprocesses)."""
+    try:
+        counts = [int(count) for count in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated thread counts expected, got {text!r}") from None
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"thread counts must be 0 (torch's default) or more, got {text!r}")
+    return text
+
+
+def backend_names(text: str) -> str:
+    """An argparse ``type`` for ``--backends``: comma-separated attention backends, kept as the text given."""
+    unknown = [name for name in text.split(",") if name not in BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {', '.join(map(repr, unknown))} in {text!r} "
+                                         f"(choose from {', '.join(BACKENDS)})")
+    return text
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer tokens and repeats")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--backends", default="sdpa,flex_attention", help="comma-separated attention backends")
-    parser.add_argument("--threads", default="1,0",
+    parser.add_argument("--repeats", type=positive_int, default=None)
+    parser.add_argument("--backends", type=backend_names, default="sdpa,flex_attention",
+                        help=f"comma-separated attention backends ({', '.join(BACKENDS)})")
+    parser.add_argument("--threads", type=thread_counts, default="1,0",
                         help="comma-separated torch thread counts; 0 = torch's default (1: CPU-time ratios then hold "
                         "on a machine shared with other jobs)")
     parser.add_argument("--cache", default="dynamic", help="cache_implementation for generation (dynamic, static)")
@@ -305,7 +339,7 @@ def main():
                         help="comma-separated measurement names or prefixes to run (e.g. compiled-generate); the "
                         "results then go to ega_gpt_<first prefix>")
     parser.add_argument("--out", default="results/benchmarks")
-    parser.add_argument("--runs", type=int, default=1,
+    parser.add_argument("--runs", type=positive_int, default=1,
                         help="repeat the whole benchmark in this many fresh processes and report the median ratio "
                         "and its range (ratios from one process can move by several points between processes)")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)

@@ -226,6 +226,65 @@ def test_training_arguments_fields_pass_through_the_command_line():
     assert parse_training_overrides([]) == {}
 
 
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--calibration_percentiles", "150"], "argument --calibration_percentiles: a percentile must be in [0, 100]"),
+        (["--calibration_percentiles", "nan"], "argument --calibration_percentiles: a percentile must be in [0, 100]"),
+        (["--calibration_percentiles", "70", "30"], "two non-decreasing ones (3 operators), got 70 30"),
+        (["--calibration_percentiles", "10", "20", "30"], "two non-decreasing ones (3 operators), got 10 20 30"),
+        (["--threads", "0"], "argument --threads: must be a positive integer, got 0"),
+        (["--threads", "-1"], "argument --threads: must be a positive integer, got -1"),
+        (["--stop_after_steps", "0"], "argument --stop_after_steps: must be a positive integer, got 0"),
+    ],
+)
+def test_bad_chiar_options_are_usage_errors(arguments, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        wikitext.main(["--smoke", "--arms", "threshold", "--output_dir", str(tmp_path / "out"), *arguments])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model", ["{tmp}/missing", "./no/such/model", "not-a-local-folder"])
+def test_evaluating_a_missing_model_folder_is_a_usage_error(model, tmp_path, capsys):
+    model = model.format(tmp=tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        wikitext.main(["--evaluate_model", model])
+    assert exit_info.value.code == 2
+    assert f"argument --evaluate_model: no such folder: {model}" in capsys.readouterr().err
+
+
+class _Tokenizer:
+    pad_token_id = eos_token_id = bos_token_id = 0
+
+    def __len__(self):
+        return 64
+
+
+@pytest.mark.parametrize(
+    "arm, arguments, message",
+    [
+        # huggingface_hub's strict-dataclass check (not a ValueError) refuses the field's type.
+        ("threshold", ["--config_overrides", "rope_theta=oops"],
+         "(?s)invalid CHIAR configuration for threshold: .*rope_theta.*oops"),
+        ("threshold", ["--calibration_percentiles", "30", "60"],
+         "--calibration_percentiles 30 60: .* routes between 2 operators, so it takes 1 percentile"),
+        ("3op", ["--calibration_percentiles", "50"],
+         "--calibration_percentiles 50: .* routes between 3 operators, so it takes 2 percentile"),
+    ],
+)
+def test_bad_chiar_configurations_are_clear_errors(arm, arguments, message):
+    from types import SimpleNamespace
+
+    from training.common.chiar_experiment import build_model, build_parser, parse_arm
+
+    task = wikitext.task_for("wikitext-2")
+    args, _ = build_parser(task, "").parse_known_args(["--smoke", *arguments])
+    with pytest.raises(SystemExit, match=message):
+        build_model(parse_arm(arm), wikitext.PRESETS["smoke"], args, task, SimpleNamespace(tokenizer=_Tokenizer()))
+
+
 def test_reproduction_plan_and_tables_from_finished_runs(tmp_path, capsys):
     from training import reproduce_chiar
 

@@ -159,11 +159,42 @@ def test_help_is_reachable_through_the_hf_spectral_command(capsys):
         (["--variants", "EGA-1:sideways"], "unknown normalisation 'sideways'"),
         (["--hidden_size", "30", "--num_attention_heads", "4"], "not divisible"),
         (["--max_steps", "0"], "--max_steps must be positive"),
+        (["--final_eval_batches", "0"], "--final_eval_batches must be positive, got 0"),
+        (["--leak_free_batches", "-1"], "--leak_free_batches must be positive, got -1"),
+        (["--learning_rate", "-1"], "--learning_rate must be a positive number, got -1.0"),
+        (["--learning_rate", "0"], "--learning_rate must be a positive number, got 0.0"),
+        (["--learning_rate", "nan"], "--learning_rate must be a positive number, got nan"),
+        (["--warmup_steps", "-1"], "--warmup_steps must be a number of at least 0, got -1"),
+        (["--weight_decay", "-0.1"], "--weight_decay must be a number of at least 0, got -0.1"),
     ],
 )
 def test_bad_options_are_clear_errors(arguments, message, tiny_shakespeare, tmp_path):
     with pytest.raises(SystemExit, match=message):
         tinyshakespeare.main(["--smoke", "--data_path", tiny_shakespeare, "--output_dir", str(tmp_path)] + arguments)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--stop_after_steps", "0"], "argument --stop_after_steps: must be a positive integer, got 0"),
+        (["--stop_after_steps", "x"], "argument --stop_after_steps: invalid int value: 'x'"),
+    ],
+)
+def test_bad_counts_are_usage_errors(arguments, message, tiny_shakespeare, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tinyshakespeare.main(["--smoke", "--data_path", tiny_shakespeare, "--output_dir", str(tmp_path)] + arguments)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir()), "refused before anything is written"
+
+
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_threads_below_one_are_refused_before_the_data_is_read(threads, tiny_shakespeare, tmp_path, capsys):
+    output_dir = tmp_path / "out"
+    assert tinyshakespeare.main(["--smoke", "--data_path", tiny_shakespeare, "--output_dir", str(output_dir),
+                                 "--threads", threads]) == 2
+    assert f"error: --threads must be a positive integer, got {threads}" in capsys.readouterr().err
+    assert not output_dir.exists()
 
 
 def test_missing_data_and_a_file_as_output_folder_are_clear_errors(tmp_path, capsys):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..results import mean_std, pm
 from .exit_codes import EXIT_INTERRUPTED
-from .presets import LMPreset, add_output_arguments, resolve_preset
+from .presets import LMPreset, add_output_arguments, positive_int, resolve_preset
 
 # ------------------------------------------------------------------------------------------------------------
 # Arms
@@ -136,8 +136,43 @@ class TaskData:
 # ------------------------------------------------------------------------------------------------------------
 
 
+def percentile(text: str) -> float:
+    """An argparse ``type``: a percentile in [0, 100] (``--calibration_percentiles``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0 <= value <= 100:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"a percentile must be in [0, 100], got {text}")
+    return value
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """Whether ``name`` can only be a local path (a Hub repository id is ``name`` or ``owner/name``)."""
+    return (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+            or (os.sep != "/" and os.sep in name))
+
+
+class RecipeArgumentParser(argparse.ArgumentParser):
+    """The recipes' parser: after parsing, values that no single option's ``type`` can judge are checked, and a bad
+    one is a usage error (status 2) naming the option."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        percentiles = parsed.calibration_percentiles
+        if percentiles is not None and (len(percentiles) > 2 or list(percentiles) != sorted(percentiles)):
+            self.error(f"argument --calibration_percentiles: one value (2 operators) or two non-decreasing ones "
+                       f"(3 operators), got {' '.join(f'{p:g}' for p in percentiles)}")
+        model = getattr(parsed, "evaluate_model", None)
+        # Without --tokenizer_name_or_path the tokenizer is read from the model's folder: it must be local then.
+        if (model and not os.path.isdir(model)
+                and (_looks_like_a_path(model) or not getattr(parsed, "tokenizer_name_or_path", None))):
+            self.error(f"argument --evaluate_model: no such folder: {model}")
+        return parsed, rest
+
+
 def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = RecipeArgumentParser(
         prog=f"python -m training.{task.recipe}", description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other `TrainingArguments` field can be given as --<field> <value> (e.g. --gradient_accumulation_steps "
@@ -171,7 +206,7 @@ def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
     group.add_argument("--rbf_num_features", type=int, default=64, help="random features R of RBF mixing")
     group.add_argument("--router_usage_entropy_weight", type=float, default=0.0,
                        help="λ of the usage-entropy regulariser (hard / soft routers; authors 0.01; default off)")
-    group.add_argument("--calibration_percentiles", type=float, nargs="+",
+    group.add_argument("--calibration_percentiles", type=percentile, nargs="+",
                        help="entropy percentiles for the thresholds: one (2 operators; default 75, ≈ 25%% of tokens "
                             "to attention) or two (3 operators; default the authors' 33 67)")
     group.add_argument("--calibration_batches", type=int, default=8, help="training batches measured by calibration")
@@ -202,7 +237,8 @@ def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
     group.add_argument("--routing_batches", type=int, default=4,
                        help="validation batches for the final routing fractions and FLOPs (default 4)")
     group.add_argument("--seeds", type=int, nargs="+", help="one run per seed and arm (default: the preset's)")
-    group.add_argument("--threads", type=int, help="torch CPU threads per process (default: torch's choice)")
+    group.add_argument("--threads", type=positive_int,
+                       help="torch CPU threads per process (default: torch's choice)")
     group.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"])
     group.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GPUs)")
     group.add_argument("--report_to", default="none", help="Trainer loggers, e.g. tensorboard, wandb (default: none)")
@@ -383,9 +419,18 @@ def build_model(arm: Arm, preset: LMPreset, args, task: ChiarTask, data: TaskDat
         settings.update(num_labels=data.num_labels, classifier_pooling=args.classifier_pooling)
     settings.update(parse_config_overrides(args.config_overrides))
     try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # a huggingface_hub without strict dataclasses: configurations raise ValueError / TypeError
+        StrictDataclassError = ValueError
+    try:
         config = ChiarConfig(**settings)
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, StrictDataclassError) as error:  # the Hub's field checks (e.g. rope_theta="x")
         raise SystemExit(f"error: invalid CHIAR configuration for {arm.label}: {error}") from None
+    percentiles = args.calibration_percentiles
+    if arm.needs_calibration and percentiles and len(percentiles) != len(config.routed_operators) - 1:
+        raise SystemExit(f"error: --calibration_percentiles {' '.join(f'{p:g}' for p in percentiles)}: {arm.label} "
+                         f"routes between {len(config.routed_operators)} operators, so it takes "
+                         f"{len(config.routed_operators) - 1} percentile(s)")
     if arm.routed and not config.routed_layers:
         raise SystemExit(f"error: {arm.label} needs a routed layer, but the authors' layout with "
                          f"{config.num_hidden_layers} layers has none (DCT first, attention last): use at least 3 "

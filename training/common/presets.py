@@ -5,7 +5,9 @@ Every number of a preset can be overridden on the command line; the preset only 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -151,8 +153,9 @@ class HubOptions:
 
 def resolve_preset(args, presets: dict, *, heads_divide_width: bool = False) -> tuple[str, LMPreset]:
     """The preset ``--preset`` names (``smoke`` with ``--smoke``) with the numbers given on the command line in place
-    of its own. Exits with an error for a size or count that is not positive, a dropout outside [0, 1) and, with
-    ``heads_divide_width``, a width that the number of heads does not divide."""
+    of its own. Exits with an error for a size or count that is not positive, a learning rate that is not a positive
+    number, a negative warm-up or weight decay, a dropout outside [0, 1) and, with ``heads_divide_width``, a width
+    that the number of heads does not divide."""
     name = "smoke" if args.smoke else args.preset
     preset = presets[name].replace(
         **{key: getattr(args, key, None) for key in LMPreset.__dataclass_fields__
@@ -160,9 +163,16 @@ def resolve_preset(args, presets: dict, *, heads_divide_width: bool = False) -> 
     if args.seeds:
         preset = preset.replace(seeds=tuple(args.seeds))
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "context_length", "batch_size",
-                "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps"):
-        if getattr(preset, key) <= 0:
+                "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps", "final_eval_batches",
+                "leak_free_batches"):
+        if getattr(preset, key) is not None and getattr(preset, key) <= 0:
             raise SystemExit(f"error: --{key} must be positive, got {getattr(preset, key)}")
+    if not (math.isfinite(preset.learning_rate) and preset.learning_rate > 0):
+        raise SystemExit(f"error: --learning_rate must be a positive number, got {preset.learning_rate}")
+    for key in ("warmup_steps", "weight_decay"):
+        value = getattr(preset, key)
+        if not (math.isfinite(value) and value >= 0):
+            raise SystemExit(f"error: --{key} must be a number of at least 0, got {value}")
     if heads_divide_width and preset.hidden_size % preset.num_attention_heads:
         raise SystemExit(f"error: --hidden_size {preset.hidden_size} is not divisible by --num_attention_heads "
                          f"{preset.num_attention_heads}")
@@ -171,12 +181,24 @@ def resolve_preset(args, presets: dict, *, heads_divide_width: bool = False) -> 
     return name, preset
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for counts that must be at least 1 (``--threads``, ``--stop_after_steps``): 0 or less is
+    a usage error (status 2) naming the option, not a value silently ignored or a traceback later."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def add_output_arguments(parser, recipe: str = "<recipe>") -> None:
     """The "output, checkpoints, Hub" options of the training recipes; ``recipe`` names the default folder."""
     group = parser.add_argument_group("output, checkpoints, Hub")
     group.add_argument("--output_dir", help=f"where runs are written (default: runs/{recipe}-<preset>)")
     group.add_argument("--restart", action="store_true", help="discard existing checkpoints and results of the runs")
-    group.add_argument("--stop_after_steps", type=int,
+    group.add_argument("--stop_after_steps", type=positive_int,
                        help="stop with a checkpoint after this many steps (resume by rerunning without it)")
     group.add_argument("--keep_checkpoints", action="store_true", help="keep checkpoints after a run completes")
     group.add_argument("--no_plots", action="store_true", help="skip the PNG figures")
