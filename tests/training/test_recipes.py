@@ -282,10 +282,19 @@ def test_stop_after_steps_leaves_a_checkpoint_to_resume(tiny_shakespeare, tmp_pa
     assert tinyshakespeare.main(arguments + ["--stop_after_steps", "4"]) == EXIT_INTERRUPTED
     assert [p.name for p in (tmp_path / "BASE-seed0").glob("checkpoint-*")] == ["checkpoint-4"]
     assert not (tmp_path / "BASE-seed0" / "summary.json").exists()
+    # Resuming with other settings would keep the checkpoint's schedule while recording the new ones: refused
+    with pytest.raises(SystemExit, match="holds a run made with other settings \\(learning_rate: .* there, 0.01 now"):
+        tinyshakespeare.main(arguments + ["--learning_rate", "1e-2"])
+    (tmp_path / "BASE-seed0" / "run_settings.json").unlink()  # a folder from before settings were recorded
     with pytest.raises(SystemExit, match="cannot resume from .*checkpoint-4: its model has other sizes.*--restart"):
         tinyshakespeare.main(arguments + ["--hidden_size", "48"])
+    assert not (tmp_path / "BASE-seed0" / "run_settings.json").exists()
     assert tinyshakespeare.main(arguments) == 0
     assert _summary(tmp_path / "BASE-seed0")["resumed_from"] == "checkpoint-4"
+    # A complete run (trained again with its settings recorded) is not reported as one made with other settings
+    assert tinyshakespeare.main(arguments + ["--restart"]) == 0
+    with pytest.raises(SystemExit, match="holds a run made with other settings \\(max_steps: 8 there, 9 now\\)"):
+        tinyshakespeare.main(arguments[:-4] + ["--max_steps", "9", "--eval_steps", "100"])
 
 
 def test_the_recipe_runs_under_torchrun_with_two_cpu_processes(tiny_shakespeare, tmp_path):
@@ -302,3 +311,15 @@ def test_the_recipe_runs_under_torchrun_with_two_cpu_processes(tiny_shakespeare,
     summary = _summary(tmp_path / "EGA-1-causal-seed0")
     assert summary["steps"] == 12 and summary["val_loss"] > 0
     assert "validation loss  EGA-1 (causal)" in result.stdout
+
+
+def test_a_complete_run_says_it_is_not_pushed_again(tmp_path, capsys):
+    """--push_to_hub pushes at the end of training; a run complete already is not trained, so it is not pushed: said
+    so, with the way to upload it, instead of a silent success."""
+    from training.common.runs import open_run_dir
+
+    (tmp_path / "BASE-seed0").mkdir()
+    (tmp_path / "BASE-seed0" / "summary.json").write_text(json.dumps({"val_loss": 1.0}))
+    _, done = open_run_dir(str(tmp_path), "BASE-seed0", restart=False, push_to_hub=True)
+    assert done == {"val_loss": 1.0}
+    assert "--push_to_hub: not pushed, the run was complete already" in capsys.readouterr().out

@@ -558,11 +558,15 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
     from .data import fixed_subset
     from .presets import training_arguments
     from .runs import (
-        barrier, check_replicas_agree, hub_repo_id, is_main_process, open_run_dir, train_from, write_json
+        barrier, check_replicas_agree, hub_repo_id, is_main_process, open_run_dir, run_settings, train_from, write_json
     )
     from .trainer import last_complete_checkpoint, remove_checkpoints
 
-    run_dir, done = open_run_dir(output_dir, arm.name, args.restart)
+    model_options = ("config_overrides", "rbf_num_features", "router_usage_entropy_weight", "calibration_percentiles",
+                     "calibration_batches", "classifier_pooling", "intermediate_size", "layer_norm_position")
+    settings = run_settings(preset, training_overrides=training_overrides,
+                            **{name: getattr(args, name, None) for name in model_options})
+    run_dir, done = open_run_dir(output_dir, arm.name, args.restart, settings, getattr(args, "push_to_hub", False))
     if done is not None:
         return done
 

@@ -265,12 +265,14 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
         hub_repo_id,
         is_main_process,
         open_run_dir,
+        run_settings,
         train_or_resume,
         write_json,
     )
     from .trainer import remove_checkpoints
 
-    run_dir, done = open_run_dir(output_dir, spec.name, args.restart)
+    settings = run_settings(preset, char_format=getattr(args, "char_format", None))
+    run_dir, done = open_run_dir(output_dir, spec.name, args.restart, settings, getattr(args, "push_to_hub", False))
     if done is not None:
         return done
 

@@ -47,18 +47,51 @@ def read_summary(run_dir: str) -> dict | None:
         return json.load(handle)
 
 
-def open_run_dir(output_dir: str, name: str, restart: bool) -> tuple[str, dict | None]:
+RUN_SETTINGS_FILE = "run_settings.json"
+# Preset fields that do not change what a run computes: reusing its folder with other values is fine.
+PRESET_FIELDS_WITHOUT_EFFECT = ("description", "variants", "seeds", "save_steps", "logging_steps")
+
+
+def run_settings(preset, **extra) -> dict:
+    """What decides a run's result, as JSON values: the preset's fields (those with an effect) and ``extra``."""
+    values = {k: v for k, v in preset.to_dict().items() if k not in PRESET_FIELDS_WITHOUT_EFFECT}
+    return json.loads(json.dumps({**values, **extra}, default=str))
+
+
+def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | None = None,
+                 push_to_hub: bool = False) -> tuple[str, dict | None]:
     """The folder of run ``name`` in ``output_dir`` (emptied first by the main process with ``restart``), and the
-    summary of the run when it is complete already (it is not trained again); else the folder is created, and None."""
+    summary of the run when it is complete already (it is not trained again); else the folder is created, and None.
+
+    ``settings`` (`run_settings`) are recorded in the folder when the run starts. A folder whose run (complete, or
+    checkpointed to be resumed) was made with other settings is refused, naming the differences: it would otherwise
+    be reported, or resumed with its old schedule, as if this command had made it."""
     run_dir = os.path.join(output_dir, name)
     if restart and is_main_process() and os.path.isdir(run_dir):
         shutil.rmtree(run_dir)
     barrier()
+    settings_path = os.path.join(run_dir, RUN_SETTINGS_FILE)
+    if settings is not None and os.path.isfile(settings_path):
+        with open(settings_path, encoding="utf-8") as handle:
+            recorded = json.load(handle)
+        differences = [f"{key}: {recorded.get(key)!r} there, {settings.get(key)!r} now"
+                       for key in sorted(set(recorded) | set(settings)) if recorded.get(key) != settings.get(key)]
+        if differences:
+            raise SystemExit(
+                f"error: {run_dir} holds a run made with other settings ({'; '.join(differences)}): rerun with the "
+                "options that made it, or add --restart to train it again"
+            )
     done = read_summary(run_dir)
     if done is not None:
         print(f"[{name}] complete already ({run_dir}/summary.json); --restart trains it again", flush=True)
+        if push_to_hub:  # the push happens at the end of training, which does not run again
+            print(f"[{name}] --push_to_hub: not pushed, the run was complete already; upload {run_dir} with "
+                  f"`huggingface-cli upload <repo> {run_dir}`, or add --restart", flush=True)
         return run_dir, done
     os.makedirs(run_dir, exist_ok=True)
+    fresh = not any(entry.startswith("checkpoint-") for entry in os.listdir(run_dir))
+    if settings is not None and fresh and is_main_process():  # (a checkpoint from before settings were recorded:
+        write_json(settings_path, settings)                    # nothing to compare with, none written for it)
     return run_dir, None
 
 
