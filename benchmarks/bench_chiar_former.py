@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.timing import records_of_fresh_runs  # noqa: E402
+from training.common.presets import percentage, positive_int  # noqa: E402  (the recipes' argument types)
 from hf_spectral import ChiarConfig, ChiarForCausalLM  # noqa: E402
 from hf_spectral.models.chiar_former import calibrate_thresholds, count_flops  # noqa: E402
 from hf_spectral.ops.routing import routed_layout  # noqa: E402
@@ -273,28 +274,6 @@ def median_of_runs(runs: int) -> list[dict]:
     return rows
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type`` for a count of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def percent(text: str) -> float:
-    """An argparse ``type`` for ``--attention-percent``: a share of the tokens, in [0, 100]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not 0 <= value <= 100:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"a percentage of the tokens must be in [0, 100], got {text}")
-    return value
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=positive_int, nargs="+", default=[512, 1024, 2048])
@@ -304,7 +283,7 @@ def main():
     parser.add_argument("--hidden-size", type=positive_int, default=256)
     parser.add_argument("--heads", type=positive_int, default=4)
     parser.add_argument("--vocab-size", type=positive_int, default=256)
-    parser.add_argument("--attention-percent", type=percent, default=25.0,
+    parser.add_argument("--attention-percent", type=percentage, default=25.0,
                         help="tokens routed to attention in L2-L3 (0 to 100)")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument(

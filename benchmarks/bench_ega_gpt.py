@@ -45,6 +45,7 @@ from benchmarks.timing import (  # noqa: E402
     spread_over_runs,
     time_alternating,
 )
+from training.common.presets import positive_int  # noqa: E402  (the recipes' argument types)
 
 SIZE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, vocab_size=65)
 SPEED_TARGET, MEMORY_TARGET = 0.95, 1.10
@@ -284,17 +285,6 @@ def aggregate_runs(args):
         extra={"hardware": first["hardware"]},  # the measuring processes' (their thread count), not this one's
     )
     print(notes)
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type`` for a count of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def thread_counts(text: str) -> str:

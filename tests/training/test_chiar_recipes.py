@@ -229,8 +229,8 @@ def test_training_arguments_fields_pass_through_the_command_line():
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--calibration_percentiles", "150"], "argument --calibration_percentiles: a percentile must be in [0, 100]"),
-        (["--calibration_percentiles", "nan"], "argument --calibration_percentiles: a percentile must be in [0, 100]"),
+        (["--calibration_percentiles", "150"], "argument --calibration_percentiles: must be a number in [0, 100]"),
+        (["--calibration_percentiles", "nan"], "argument --calibration_percentiles: must be a number in [0, 100]"),
         (["--calibration_percentiles", "70", "30"], "two non-decreasing ones (3 operators), got 70 30"),
         (["--calibration_percentiles", "10", "20", "30"], "two non-decreasing ones (3 operators), got 10 20 30"),
         (["--threads", "0"], "argument --threads: must be a positive integer, got 0"),

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..results import mean_std, pm
 from .exit_codes import EXIT_INTERRUPTED
-from .presets import LMPreset, add_output_arguments, positive_int, resolve_preset
+from .presets import LMPreset, add_output_arguments, percentage, positive_int, resolve_preset
 
 # ------------------------------------------------------------------------------------------------------------
 # Arms
@@ -136,17 +136,6 @@ class TaskData:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def percentile(text: str) -> float:
-    """An argparse ``type``: a percentile in [0, 100] (``--calibration_percentiles``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not 0 <= value <= 100:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"a percentile must be in [0, 100], got {text}")
-    return value
-
-
 def _looks_like_a_path(name: str) -> bool:
     """Whether ``name`` can only be a local path (a Hub repository id is ``name`` or ``owner/name``)."""
     return (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
@@ -206,7 +195,7 @@ def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
     group.add_argument("--rbf_num_features", type=int, default=64, help="random features R of RBF mixing")
     group.add_argument("--router_usage_entropy_weight", type=float, default=0.0,
                        help="λ of the usage-entropy regulariser (hard / soft routers; authors 0.01; default off)")
-    group.add_argument("--calibration_percentiles", type=percentile, nargs="+",
+    group.add_argument("--calibration_percentiles", type=percentage, nargs="+",
                        help="entropy percentiles for the thresholds: one (2 operators; default 75, ≈ 25%% of tokens "
                             "to attention) or two (3 operators; default the authors' 33 67)")
     group.add_argument("--calibration_batches", type=int, default=8, help="training batches measured by calibration")

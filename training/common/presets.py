@@ -193,6 +193,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def percentage(text: str) -> float:
+    """An argparse ``type`` for a percentage or percentile in [0, 100] (NaN refused), as a usage error naming the
+    option."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0 <= value <= 100:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 100], got {text}")
+    return value
+
+
 def add_output_arguments(parser, recipe: str = "<recipe>") -> None:
     """The "output, checkpoints, Hub" options of the training recipes; ``recipe`` names the default folder."""
     group = parser.add_argument_group("output, checkpoints, Hub")
