@@ -35,7 +35,7 @@ from . import ptb_char, tinyshakespeare
 from .common.data import TextCorpus, build_lm_data, encode_text, fixed_subset, load_corpus_texts, word_tokenizer
 from .common.exit_codes import EXIT_INTERRUPTED
 from .common.lm_experiment import tau_summary
-from .common.presets import LMPreset, world_size
+from .common.presets import LMPreset, positive_int, world_size
 from .results import current_command, hardware_summary, write_results
 
 WIKITEXT2 = TextCorpus(
@@ -274,19 +274,18 @@ def pretrain(args, preset, data, tokenizer):
     """Phase 1 (once per pretraining seed): a GPT-2 trained from scratch on the pretraining corpus."""
     from transformers import set_seed
 
-    from .common.runs import barrier, build_trainer, final_losses, is_main_process, read_summary
+    from .common.runs import barrier, build_trainer, final_losses, is_main_process, open_run_dir, run_settings
     from .common.runs import train_or_resume, write_json
     from .common.trainer import remove_checkpoints
 
-    run_dir = os.path.join(args.output_dir, f"pretrained-seed{args.pretrain_seed}")
-    done = read_summary(run_dir)
+    phase = preset.phase(preset.pretrain_steps, preset.pretrain_warmup_steps, preset.pretrain_learning_rate)
+    # Reused by every fine-tuning arm, so only if made as this command would make it.
+    settings = run_settings(phase, corpus=args.pretrain_corpus, level=args.level, min_count=args.min_count)
+    run_dir, done = open_run_dir(args.output_dir, f"pretrained-seed{args.pretrain_seed}", args.restart, settings)
     if done is not None:
-        print(f"[pretrained] reusing {run_dir}", flush=True)
         return run_dir, done
-    os.makedirs(run_dir, exist_ok=True)
     set_seed(args.pretrain_seed)
     model = new_gpt2(preset, len(tokenizer), args.attn_implementation)
-    phase = preset.phase(preset.pretrain_steps, preset.pretrain_warmup_steps, preset.pretrain_learning_rate)
     curve_set = fixed_subset(data["pretrain"].datasets["validation"], preset.eval_batches * preset.batch_size)
     args_without_hub = argparse.Namespace(**{**vars(args), "push_to_hub": False})  # only fine-tuned arms are pushed
     trainer, interrupt = build_trainer(model, run_dir, phase, args.pretrain_seed, data["pretrain"].datasets["train"],
@@ -313,17 +312,17 @@ def pretrain(args, preset, data, tokenizer):
 def finetune_arm(arm, seed, pretrained_dir, args, preset, data, tokenizer, runs):
     from transformers import set_seed
 
-    from .common.runs import barrier, build_trainer, final_losses, hub_repo_id, is_main_process, read_summary
-    from .common.runs import train_or_resume, write_json
+    from .common.runs import barrier, build_trainer, final_losses, hub_repo_id, is_main_process, open_run_dir
+    from .common.runs import run_settings, train_or_resume, write_json
     from .common.trainer import remove_checkpoints
 
     run_name = f"{arm.replace('+', '_')}-seed{seed}"
-    run_dir = os.path.join(args.output_dir, run_name)
-    done = read_summary(run_dir)
+    # The whole preset (the pretraining's numbers too: the arm starts from that model) and the data and gate options.
+    settings = run_settings(preset, pretrain_corpus=args.pretrain_corpus, finetune_corpus=args.finetune_corpus,
+                            level=args.level, min_count=args.min_count, gate_normalization=args.gate_normalization)
+    run_dir, done = open_run_dir(args.output_dir, run_name, args.restart, settings, args.push_to_hub)
     if done is not None:
-        print(f"[{run_name}] complete already ({run_dir}/summary.json)", flush=True)
         return done
-    os.makedirs(run_dir, exist_ok=True)
     set_seed(seed)
     model, gate_config = prepare_arm(arm, pretrained_dir, preset, args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -544,7 +543,10 @@ def build_parser():
     group = parser.add_argument_group("output, checkpoints, Hub")
     group.add_argument("--output_dir", help="default: runs/retrofit_gpt2-<preset>")
     group.add_argument("--results_dir", help="where the comparison table goes (default: --output_dir)")
-    group.add_argument("--stop_after_steps", type=int, help="stop each phase with a checkpoint after this many steps")
+    group.add_argument("--restart", action="store_true",
+                       help="discard existing checkpoints and results of the runs (the pretraining's too)")
+    group.add_argument("--stop_after_steps", type=positive_int,
+                       help="stop each phase with a checkpoint after this many steps")
     group.add_argument("--no_plots", action="store_true")
     group.add_argument("--push_to_hub", action="store_true", help="push each fine-tuned arm to the Hub")
     group.add_argument("--hub_model_id")

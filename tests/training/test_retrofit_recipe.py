@@ -84,6 +84,9 @@ def test_gates_with_lora_are_saved_in_the_adapter_and_reload(retrofit_run):
 def test_the_pretrained_model_is_reused_by_later_invocations(retrofit_run, capsys):
     assert retrofit_gpt2.main(retrofit_run["arguments"] + ["--arms", "lora", "--no_plots"]) == 0
     output = capsys.readouterr().out
-    assert "[pretrained] reusing" in output
+    assert "[pretrained-seed0] complete already" in output
     record = json.loads((retrofit_run["dir"] / "retrofit_gpt2.json").read_text())
     assert [row["arm"] for row in record["rows"]] == ["pretrained (no fine-tuning)", "lora"]
+    # ... but only when made as this command would make it: another size is refused, naming the difference
+    with pytest.raises(SystemExit, match="pretrained-seed0 holds a run made with other settings \\(hidden_size: "):
+        retrofit_gpt2.main(retrofit_run["arguments"] + ["--arms", "lora", "--no_plots", "--hidden_size", "64"])
