@@ -304,12 +304,19 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
     # Under FSDP every process holds a shard, so every process must run these forwards; otherwise only the main one.
     if is_main_process() or trainer.is_fsdp_enabled:
         # Every model's ordinary loss on the leak-free blocks (`val_loss_same_blocks`), so that a window model's
-        # leak-free loss has a BASE loss on the same blocks to be compared with.
-        leak = leak_free_evaluation(model, data.datasets["validation"], preset.batch_size, preset.leak_free_batches,
-                                    leak_free=model.config.sees_future)
-        summary.update(val_loss_same_blocks=leak["loss"], leak_free_tokens=leak["tokens"])
-        if model.config.sees_future:
-            summary["val_loss_leak_free"] = leak["leak_free_loss"]
+        # leak-free loss has a BASE loss on the same blocks to be compared with. When those blocks and the final
+        # evaluation's are both the whole split, a causal model's is `val_loss`: not computed a second time.
+        validation = data.datasets["validation"]
+        whole = preset.leak_free_batches is None or preset.leak_free_batches * preset.batch_size >= len(validation)
+        if not model.config.sees_future and whole and summary["val_blocks"] == len(validation):
+            summary.update(val_loss_same_blocks=summary["val_loss"],
+                           leak_free_tokens=len(validation) * (len(validation[0]["input_ids"]) - 1))
+        else:
+            leak = leak_free_evaluation(model, validation, preset.batch_size, preset.leak_free_batches,
+                                        leak_free=model.config.sees_future)
+            summary.update(val_loss_same_blocks=leak["loss"], leak_free_tokens=leak["tokens"])
+            if model.config.sees_future:
+                summary["val_loss_leak_free"] = leak["leak_free_loss"]
         gates = tau_summary(model)
         if gates:
             summary["gates"] = gates
@@ -446,7 +453,7 @@ def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None)
     for summary in summaries:
         spec = RunSpec(summary["variant"], summary["normalization"], summary["seed"])
         groups.setdefault(spec.label, []).append(summary)
-    base = mean_std([s["val_loss"] for s in groups.get("BASE", [])])[0]
+    base = comparable_base(groups.get("BASE", []), leak_free=False)
     base_same_blocks = comparable_base(groups.get("BASE", []), leak_free=True)
     paper_base = paper.get("BASE")
     rows = []
