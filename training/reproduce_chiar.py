@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .common.jobs import run_logged, stop_running
+from .common.presets import positive_int
 
 BENCHMARKS = ("wikitext", "listops", "imdb")
 WIKITEXT_ARMS = ("attention", "threshold", "hard", "3op", "threshold@all", "hard@all", "3op@all", "dct")
@@ -194,8 +195,8 @@ def main(argv=None) -> int:
     parser.add_argument("--imdb_test_examples", type=int, default=1000,
                         help="fixed random subset of the IMDB test split (default 1000; 0 = all 25,000)")
     parser.add_argument("--preset", default="cpu", help="recipe preset of every run (default: cpu)")
-    parser.add_argument("--jobs", type=int, default=1, help="recipe processes at once (default 1)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per process (default 2)")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="recipe processes at once (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch threads per process (default 2)")
     parser.add_argument("--output_dir", default="runs/chiar_reproduction")
     parser.add_argument("--results_dir", default="results/chiar")
     parser.add_argument("--dry_run", action="store_true", help="print the commands and exit")
@@ -205,8 +206,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.recipe_args and args.recipe_args[0] == "--":
         args.recipe_args = args.recipe_args[1:]
-    if args.jobs < 1:
-        parser.error("--jobs must be at least 1")
     args.command = " ".join(["python -m training.reproduce_chiar"] + list(argv if argv is not None else sys.argv[1:]))
     plan = planned(args)
     if args.dry_run:

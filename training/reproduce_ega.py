@@ -33,6 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .common.jobs import run_logged, stop_running
+from .common.presets import positive_int
 
 BENCHMARKS = ("tinyshakespeare", "ptb_char")
 MAIN_VARIANTS = ("BASE", "EGA-1:causal", "EGA-1:window")
@@ -219,8 +220,8 @@ def main(argv=None) -> int:
     parser.add_argument("--other_seeds", type=int, nargs="*",
                         help="seeds of the other variants (default: 0; none with --smoke; none: only BASE and EGA-1, "
                              "e.g. for a longer schedule)")
-    parser.add_argument("--jobs", type=int, help="recipe processes at once (default: 2; 1 with --smoke)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--jobs", type=positive_int, help="recipe processes at once (default: 2; 1 with --smoke)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--output_dir", help="default: runs/ega_reproduction (runs/ega_reproduction-smoke with --smoke)")
     parser.add_argument("--results_dir", help="default: results/ega (<output_dir>/results with --smoke)")
     parser.add_argument("--dry_run", action="store_true", help="print the commands and exit")
@@ -246,8 +247,6 @@ def main(argv=None) -> int:
             setattr(args, name, value)
     if args.results_dir is None:
         args.results_dir = os.path.join(args.output_dir, "results") if args.smoke else "results/ega"
-    if args.jobs < 1:
-        parser.error("--jobs must be at least 1")
     from .results import current_command
 
     args.command = current_command()

@@ -537,7 +537,7 @@ def build_parser():
     group.add_argument("--gate_normalization", choices=["causal", "window", "none"], default="causal",
                        help="energy statistics of the retrofitted gates (default causal; window sees the future)")
     group.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"])
-    group.add_argument("--threads", type=int)
+    group.add_argument("--threads", type=positive_int)
     group.add_argument("--bf16", action="store_true")
     group.add_argument("--report_to", default="none")
     group = parser.add_argument_group("output, checkpoints, Hub")

@@ -191,9 +191,11 @@ def test_bad_counts_are_usage_errors(arguments, message, tiny_shakespeare, tmp_p
 @pytest.mark.parametrize("threads", ["0", "-1"])
 def test_threads_below_one_are_refused_before_the_data_is_read(threads, tiny_shakespeare, tmp_path, capsys):
     output_dir = tmp_path / "out"
-    assert tinyshakespeare.main(["--smoke", "--data_path", tiny_shakespeare, "--output_dir", str(output_dir),
-                                 "--threads", threads]) == 2
-    assert f"error: --threads must be a positive integer, got {threads}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        tinyshakespeare.main(["--smoke", "--data_path", tiny_shakespeare, "--output_dir", str(output_dir),
+                              "--threads", threads])
+    assert exit_info.value.code == 2
+    assert f"argument --threads: must be a positive integer, got {threads}" in capsys.readouterr().err
     assert not output_dir.exists()
 
 

@@ -99,3 +99,17 @@ def test_smoke_runs_the_whole_pipeline_at_toy_size(tiny_shakespeare, tmp_path, c
 def test_smoke_refuses_another_preset():
     with pytest.raises(SystemExit):
         reproduce_ega.main(["--smoke", "--preset", "cpu", "--dry_run"])
+
+
+
+@pytest.mark.parametrize("module, arguments", [
+    ("reproduce_ega", ["--dry_run", "--threads", "0"]), ("reproduce_ega", ["--dry_run", "--jobs", "0"]),
+    ("reproduce_chiar", ["--dry_run", "--threads", "-1"]), ("reproduce_chiar", ["--dry_run", "--jobs", "0"]),
+])
+def test_thread_and_job_counts_below_one_are_usage_errors(module, arguments, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(f"training.{module}").main(arguments)
+    assert exit_info.value.code == 2
+    assert f"argument {arguments[-2]}: must be a positive integer, got {arguments[-1]}" in capsys.readouterr().err

@@ -90,3 +90,11 @@ def test_the_pretrained_model_is_reused_by_later_invocations(retrofit_run, capsy
     # ... but only when made as this command would make it: another size is refused, naming the difference
     with pytest.raises(SystemExit, match="pretrained-seed0 holds a run made with other settings \\(hidden_size: "):
         retrofit_gpt2.main(retrofit_run["arguments"] + ["--arms", "lora", "--no_plots", "--hidden_size", "64"])
+
+
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_thread_counts_below_one_are_usage_errors(threads, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        retrofit_gpt2.main(["--threads", threads])
+    assert exit_info.value.code == 2
+    assert f"argument --threads: must be a positive integer, got {threads}" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..results import current_command, hardware_summary, mean_std, pm, write_results
 from .data import LMData, fixed_subset
 from .exit_codes import EXIT_INTERRUPTED
-from .presets import LMPreset, add_output_arguments, resolve_preset, world_size
+from .presets import LMPreset, add_output_arguments, positive_int, resolve_preset, world_size
 
 NORMALIZATIONS = ("causal", "window", "none")
 
@@ -108,7 +108,7 @@ def add_training_arguments(parser, presets: dict, default_preset: str):
     ):
         group.add_argument(f"--{name}", type=kind, help=text)
     group.add_argument("--seeds", type=int, nargs="+", help="one run per seed (default: the preset's)")
-    group.add_argument("--threads", type=int, help="torch CPU threads per process (default: torch's choice)")
+    group.add_argument("--threads", type=positive_int, help="torch CPU threads per process (default: torch's choice)")
     group.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager", "flex_attention"])
     group.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GPUs)")
     group.add_argument("--report_to", default="none", help="Trainer loggers, e.g. tensorboard, wandb (default: none)")

@@ -99,12 +99,8 @@ def prepare_recipe(args, recipe: str, preset_name: str, preset, load_data) -> tu
     """What a recipe does before its runs: torch's thread count (``--threads``), the output folder (``--output_dir``,
     else ``runs/<recipe>-<preset>``) and ``load_data(args, preset, tokenizer_dir)``, run by the main process first
     (it writes the tokenizer files; the others then read the same vocabulary). Returns the folder and the data; the
-    data is None when they cannot be read or ``--threads`` is below 1 (the error is printed: the recipe exits with
-    status 2)."""
+    data is None when they cannot be read (the error is printed: the recipe exits with status 2)."""
     output_dir = args.output_dir or os.path.join("runs", f"{recipe}-{preset_name}")
-    if args.threads is not None and args.threads < 1:  # 0 would be ignored silently, a negative count fail in torch
-        print(f"error: --threads must be a positive integer, got {args.threads}", file=sys.stderr)
-        return output_dir, None
     if args.threads:
         torch.set_num_threads(args.threads)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
