@@ -44,7 +44,7 @@ def wikitext_run(tmp_path_factory):
     data = _wikitext_folder(tmp_path_factory.mktemp("wikitext"))
     out = tmp_path_factory.mktemp("wikitext_out")
     code = wikitext.main(["--smoke", "--data_path", str(data), "--output_dir", str(out), "--arms", "attention",
-                          "threshold", *THREADS])
+                          "threshold", *THREADS, "--dataloader_num_workers", "0"])  # (a TrainingArguments field)
     return {"code": code, "out": out, "data": data}
 
 
@@ -62,6 +62,7 @@ def test_wikitext_smoke_writes_models_tokenizer_card_results_and_figures(wikitex
     results = json.loads((out / "results.json").read_text())
     assert [row["arm"] for row in results["rows"]] == ["attention", "threshold"]
     assert results["hardware"]["cpu_count"] and results["seeds"] == [0] and results["command"].startswith("python")
+    assert results["config"]["training_overrides"] == {"dataloader_num_workers": "0"}
     card = (out / "threshold-seed0" / "README.md").read_text()
     assert "chiar-former" in card and "per word" in card.replace("_", " ")
     from huggingface_hub import ModelCard

@@ -226,6 +226,8 @@ def test_ptb_char_recipe_derives_char_files_and_reports_the_test_split(tiny_ptb_
     assert summary["test_loss"] > 0 and summary["val_loss"] > 0
     vocabulary = json.loads((tmp_path / "out" / "tokenizer" / "vocab.json").read_text())
     assert " " not in vocabulary and "_" in vocabulary  # joined format: no separator spaces
+    config = json.loads((tmp_path / "out" / "results.json").read_text())["config"]
+    assert (config["char_format"], config["eval_test"], config["attn_implementation"]) == ("joined", True, "sdpa")
 
 
 # ------------------------------------------------------------------------------------------------------------

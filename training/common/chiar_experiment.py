@@ -873,7 +873,7 @@ def comparison_rows(summaries: list, task: ChiarTask, curve_key: str) -> list:
 
 
 def write_experiment_results(output_dir: str, summaries: list, task: ChiarTask, preset_name: str, preset,
-                             data: TaskData, args, curve_key: str):
+                             data: TaskData, args, curve_key: str, training_overrides: dict):
     from ..results import write_results
 
     rows = comparison_rows(summaries, task, curve_key)
@@ -888,7 +888,8 @@ def write_experiment_results(output_dir: str, summaries: list, task: ChiarTask, 
     config = {"preset": preset_name, **preset.to_dict(), "data": data.info,
               **{k: getattr(args, k) for k in ("layer_norm_position", "routed_execution", "calibration_percentiles",
                                                "calibration_batches", "per_layer_thresholds", "recalibrate_steps",
-                                               "router_usage_entropy_weight", "config_overrides")}}
+                                               "router_usage_entropy_weight", "config_overrides")},
+              "training_overrides": {k: str(v) for k, v in training_overrides.items()}}
     seeds = sorted({s["seed"] for s in summaries})
     paths = write_results(output_dir, "results", rows, title=f"{task.title}: CHIAR-Former arms ({preset_name} preset)",
                           config=config, seeds=seeds, notes=notes, columns=columns)
@@ -935,7 +936,8 @@ def run_recipe(argv, task: ChiarTask, description: str) -> int:
         summaries.append(summary)
     if is_main_process():
         curve_key = "eval_validation_curve_loss" if task.kind == "lm" else "eval_validation_curve_accuracy"
-        _, paths = write_experiment_results(output_dir, summaries, task, preset_name, preset, data, args, curve_key)
+        _, paths = write_experiment_results(output_dir, summaries, task, preset_name, preset, data, args, curve_key,
+                                            training_overrides)
         print(open(paths[1], encoding="utf-8").read().split("## Provenance")[0])
         print("=" * 78)
         for summary in summaries:

@@ -488,7 +488,7 @@ TABLE_COLUMNS = ["model", "seeds", "val loss", "leak-free val loss", "Δ vs BASE
                  "paper val", "paper Δ", "paper gap"]
 
 
-def write_experiment_results(out, summaries, preset_name, preset, benchmark, data):
+def write_experiment_results(out, summaries, preset_name, preset, benchmark, data, args):
     from .plots import plot_learning_curves
 
     rows = comparison_rows(summaries, benchmark.paper, benchmark.paper_gap)
@@ -500,7 +500,9 @@ def write_experiment_results(out, summaries, preset_name, preset, benchmark, dat
         "window statistics)."
     )
     config = {"preset": preset_name, **preset.to_dict(), "corpus_tokens": data.tokens, "vocab_size": len(data.tokenizer),
-              "world_size": world_size()}
+              "world_size": world_size(), "attn_implementation": args.attn_implementation,
+              # the options only some recipes have (PTB's text format and test-split evaluation)
+              **{name: getattr(args, name) for name in ("char_format", "eval_test") if hasattr(args, name)}}
     seeds = sorted({s["seed"] for s in summaries})
     paths = write_results(out, "results", rows, title=f"{benchmark.title}: EGA-GPT variants ({preset_name} preset)",
                           config=config, seeds=seeds, notes=notes, columns=TABLE_COLUMNS)
@@ -560,7 +562,7 @@ def run_recipe(argv, *, benchmark: Benchmark, corpus, presets: dict, default_pre
             return EXIT_INTERRUPTED
         summaries.append(summary)
     if is_main_process():
-        rows, paths = write_experiment_results(output_dir, summaries, preset_name, preset, benchmark, data)
+        rows, paths = write_experiment_results(output_dir, summaries, preset_name, preset, benchmark, data, args)
         print(open(paths[1], encoding="utf-8").read().split("## Provenance")[0])
         print_final_losses(summaries)
     return 0
