@@ -204,12 +204,12 @@ class ChiarDCTMixing(nn.Module):
         self.spectral_filter = nn.Parameter(torch.ones(config.hidden_size))
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.dropout(dct_mixing(hidden_states, self.spectral_filter, self.implementation))
-
-    def with_spectrum(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The branch and the DCT coefficients of the input (routed layers need them for the entropy). In matrix
-        form both come from the same butterfly products (coefficients then in even-then-odd order)."""
+    def forward(self, hidden_states: torch.Tensor, return_spectrum: bool = False):
+        """The branch; with ``return_spectrum``, ``(branch, DCT coefficients of the input)``: routed layers need
+        both for the entropy. In matrix form both come from the same butterfly products (coefficients then in
+        even-then-odd order). (One entry point: accelerate's offloading moves the filter in through ``forward``.)"""
+        if not return_spectrum:
+            return self.dropout(dct_mixing(hidden_states, self.spectral_filter, self.implementation))
         if self.implementation == "matrix":
             spectrum, mixed = dct_even_odd(hidden_states, self.spectral_filter)
         else:
@@ -545,7 +545,7 @@ class ChiarLayer(GradientCheckpointingLayer):
     def _routed(self, states: torch.Tensor, context: dict):
         dct_output = None
         if self.dct is not None:
-            dct_output, spectrum = self.dct.with_spectrum(states)
+            dct_output, spectrum = self.dct(states, return_spectrum=True)
         elif self.dct_implementation == "matrix":
             spectrum, _ = dct_even_odd(states)
         else:

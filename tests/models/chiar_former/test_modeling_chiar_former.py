@@ -404,6 +404,21 @@ def test_trainer_evaluation_predicts_the_logits_alone(tmp_path):
     assert 0 <= trainer.evaluate()["eval_accuracy"] <= 1
 
 
+@pytest.mark.parametrize("variant", ["threshold-3", "hard-3", "soft-3"])
+def test_a_model_offloaded_to_disk_computes_the_same_logits(variant, tmp_path):
+    # accelerate moves offloaded weights in through each module's forward: a branch called another way would
+    # meet its weights still on the meta device.
+    ids = random_ids(2, 12, seed=3)
+    model = build(ChiarForCausalLM, tiny_config(**CAUSAL_VARIANTS[variant]), calibrate_on=ids)
+    model.save_pretrained(tmp_path / "model")
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map="auto", max_memory={"cpu": "20KB"}, offload_folder=tmp_path / "offload"
+    ).eval()
+    assert "disk" in set(offloaded.hf_device_map.values())
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, model(ids).logits)
+
+
 def test_save_and_load_round_trip_with_safetensors(tmp_path):
     ids = random_ids(2, 12, seed=13)
     config = tiny_config(routed_operators=["dct", "rbf", "attention"])
