@@ -204,6 +204,21 @@ def unpack_state(channels: torch.Tensor) -> torch.Tensor:
     return channels.float()
 
 
+def check_generation_mode(normalization: str, generation_mode: str, model_name: str) -> None:
+    """Refuse assisted and prompt-lookup decoding (``generation_mode`` "assisted_generation") for a model whose gates
+    use ``window`` statistics. Those decodings score several draft tokens in one cached call and take each draft
+    position's logits for those plain decoding would give there; window statistics normalise every key over all
+    positions of the call, so a draft position's gate would see the drafts after it, and the tokens would differ
+    from plain decoding's without any sign."""
+    if normalization == "window" and generation_mode == "assisted_generation":
+        raise ValueError(
+            f"{model_name} gates its keys with window statistics, which normalise over every token of a call: "
+            "assisted or prompt-lookup decoding would verify its drafts against gates that see the later drafts "
+            "and give other tokens than plain decoding. Generate without assistant_model / "
+            "prompt_lookup_num_tokens, or use a model with causal statistics"
+        )
+
+
 def padding_mask(mask, length: int | torch.Tensor | None = None) -> torch.Tensor | None:
     """The (batch, past + new) bool padding mask (True at tokens) behind an ``attention_mask``: a 2D mask as given;
     a 4D mask (batch, 1, queries, keys), bool or additive, read from its last query row, which sees every earlier

@@ -23,7 +23,7 @@ from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-from ..ops.energy_gate import DaubechiesEnergy, EnergyGate, MorletEnergy
+from ..ops.energy_gate import DaubechiesEnergy, EnergyGate, MorletEnergy, check_generation_mode
 from ..ops.positions import keep_padding_mask_for_generate
 from ..ops.remote_code import save_pretrained_with_code
 from .config import EnergyGateConfig
@@ -199,6 +199,11 @@ class EnergyGatedModelMixin:
 
     # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none).
     create_masks_for_generate = staticmethod(keep_padding_mask_for_generate)
+
+    def _validate_generation_mode(self, generation_mode, *args, **kwargs):
+        normalization = self.config.energy_gates.get("normalization")
+        check_generation_mode(normalization, generation_mode, type(self).__name__)
+        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
 
     def initialize_weights(self):
         # The stock `_init_weights` (run per sub-model) does not know the gate parameters: initialise them first

@@ -502,6 +502,21 @@ def test_window_statistics_rebias_every_cached_key(tmp_path):
     torch.testing.assert_close(out.logits[:, -1], full[:, -1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("normalization", ["causal", "window"])
+def test_prompt_lookup_decoding_gives_the_greedy_tokens_and_is_refused_under_window_statistics(normalization,
+                                                                                                tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
+    add_energy_gates(model, EnergyGateConfig(normalization=normalization))
+    randomise_gates(model)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # repeats, so that prompt lookup proposes drafts
+    greedy = model.generate(ids, max_new_tokens=8, do_sample=False)
+    if normalization == "window":
+        with pytest.raises(ValueError, match="window statistics"):
+            model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+    else:
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3), greedy)
+
+
 @pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
 def test_a_compiled_retrofitted_gpt2_trains_and_infers_like_eager(tmp_path):
     """torch.compile of a retrofitted GPT-2: forward logits (atol 1e-5, rtol 1e-5) and one training step's gradients

@@ -34,7 +34,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.import_utils import is_torchdynamo_compiling
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from ...ops.energy_gate import DaubechiesEnergy, EnergyGate, MorletEnergy, padding_mask
+from ...ops.energy_gate import DaubechiesEnergy, EnergyGate, MorletEnergy, check_generation_mode, padding_mask
 from ...ops.gated_attention import (
     attention_with_key_bias,
     cached_gate_state,
@@ -361,6 +361,11 @@ class EGAForCausalLM(EGAPreTrainedModel, GenerationMixin):
 
     def set_input_embeddings(self, value):
         self.model.wte = value
+
+    def _validate_generation_mode(self, generation_mode, *args, **kwargs):
+        normalization = self.config.energy_normalization if self.config.gated_layers else "none"
+        check_generation_mode(normalization, generation_mode, type(self).__name__)
+        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
 
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
