@@ -46,7 +46,7 @@ from ...ops.gated_attention import (
     replace_folded_bias,
 )
 from ...ops.pooling import SequencePooling
-from ...ops.positions import host_length, keep_padding_mask_for_generate, new_positions
+from ...ops.positions import host_length, host_reads_are_free, keep_padding_mask_for_generate, new_positions
 from ...ops.remote_code import save_pretrained_with_code
 from .configuration_ega_gpt import EGAConfig
 
@@ -284,6 +284,24 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
                 )
 
 
+def check_context_length(config, position_ids, past_length, length) -> None:
+    """Refuse a sequence longer than the learned position embeddings, naming its length (instead of an IndexError
+    in the embedding). Positions count tokens, so only a sequence whose cached + new width exceeds the context can
+    be too long, and only then are the positions read (on the host where that is free)."""
+    past_length = host_length(past_length)
+    if past_length is None or past_length + length <= config.max_position_embeddings:
+        return
+    if not host_reads_are_free(position_ids):
+        return
+    last = int(position_ids.max())
+    if last >= config.max_position_embeddings:
+        raise ValueError(
+            f"the sequence reaches position {last} ({past_length} cached + {length} new positions), but EGA-GPT has "
+            f"learned position embeddings for max_position_embeddings = {config.max_position_embeddings} only: "
+            "shorten the input (or max_new_tokens)"
+        )
+
+
 class EGAModel(EGAPreTrainedModel):
     def __init__(self, config: EGAConfig):
         super().__init__(config)
@@ -329,6 +347,7 @@ class EGAModel(EGAPreTrainedModel):
                 position_ids = new_positions((token_mask.long().cumsum(-1) - 1).clamp(min=0), past_length, length)
             else:
                 position_ids = (torch.arange(length, device=inputs_embeds.device) + past_length)[None]
+            check_context_length(self.config, position_ids, past_length, length)
 
         causal_mask = create_causal_mask(
             config=self.config,

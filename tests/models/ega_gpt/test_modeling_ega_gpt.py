@@ -440,6 +440,21 @@ def test_bad_inputs_are_refused_with_the_argument_and_shapes(inputs, match):
         model(**inputs)
 
 
+def test_a_sequence_longer_than_the_context_is_refused_by_its_length():
+    model = tiny_model("EGA-1")  # max_position_embeddings = 48
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"reaches position 49 \(0 cached \+ 50 new positions\).* = 48"):
+            model(torch.ones(1, 50, dtype=torch.long))
+        out = model(torch.ones(1, 48, dtype=torch.long), use_cache=True)
+        with pytest.raises(ValueError, match=r"reaches position 48 \(48 cached \+ 1 new positions\)"):
+            model(torch.ones(1, 1, dtype=torch.long), cache=out.cache)
+        # Positions count tokens: a left-padded row wider than the context but with 48 tokens is fine.
+        ids = torch.ones(2, 50, dtype=torch.long)
+        mask = torch.ones_like(ids)
+        mask[:, :2] = 0
+        assert model(ids, attention_mask=mask).logits.shape == (2, 50, VOCAB)
+
+
 def test_a_mask_must_cover_the_cached_positions_too():
     model = tiny_model("EGA-1")
     ids = padded_batch()[0]
