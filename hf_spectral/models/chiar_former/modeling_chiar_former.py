@@ -107,6 +107,9 @@ _ROUTING_DOC = r"""
     aux_loss (`torch.FloatTensor`, *optional*):
         The usage-entropy regulariser λ Σ_layers (log K − H(ū)) when `router_usage_entropy_weight` > 0; the heads add it
         to their loss.
+
+    With `output_attentions=True`, `attentions` holds one tensor per `attention` layer (every token a query), in
+    layer order: routed and mixing layers record none.
 """
 
 
