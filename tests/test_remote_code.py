@@ -486,7 +486,9 @@ def test_push_to_hub_uploads_the_code_with_the_weights(tmp_path, monkeypatch):
 
     def upload(self, working_dir, repo_id, files_timestamps, **kwargs):
         folder = Path(working_dir)
-        uploads.append({"repo_id": repo_id, "files": sorted(p.name for p in folder.iterdir()),
+        files = [p for p in folder.iterdir() if p.name not in files_timestamps or
+                 p.stat().st_mtime > files_timestamps[p.name]]  # what transformers' upload sends
+        uploads.append({"folder": folder, "repo_id": repo_id, "files": sorted(p.name for p in files),
                         "auto_map": json.loads((folder / "config.json").read_text())["auto_map"],
                         "commit_message": kwargs.get("commit_message")})
 
@@ -502,6 +504,18 @@ def test_push_to_hub_uploads_the_code_with_the_weights(tmp_path, monkeypatch):
     assert expected_files <= set(pushed["files"])
     assert pushed["auto_map"]["AutoModel"] == "modeling_ega_gpt.EGAModel"
     assert (tmp_path / "local" / "modeling_ega_gpt.py").is_file()  # the local folder is complete as well
+    # The folder saved is the folder uploaded: a given state_dict and variant are kept, and the code goes up again
+    # even where it was written by an earlier save.
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    state["model.ln_f.weight"].zero_()
+    model.save_pretrained(tmp_path / "local", push_to_hub=True, repo_id="someone/ega", state_dict=state,
+                          variant="v1")
+    pushed = uploads[1]
+    assert pushed["folder"] == tmp_path / "local"
+    assert {"model.v1.safetensors", "modeling_ega_gpt.py", "configuration_ega_gpt.py"} <= set(pushed["files"])
+    from safetensors.torch import load_file
+
+    assert not load_file(tmp_path / "local" / "model.v1.safetensors")["model.ln_f.weight"].any()
     # A process other than the main one writes no code (transformers writes nothing either).
     model.save_pretrained(tmp_path / "other rank", is_main_process=False)
     assert not list((tmp_path / "other rank").glob("*.py"))

@@ -157,22 +157,38 @@ def save_pretrained_with_code(parent_save_pretrained, obj, save_directory, *args
 
     ``parent_save_pretrained`` is the bound parent method (``super().save_pretrained``). On a process other than the
     main one (``is_main_process=False``) nothing more is written, and a model saving only its PEFT adapters (loaded
-    through transformers' PEFT integration) needs no model code. ``push_to_hub=True`` is honoured after the code is
-    written (the parent would upload before it): through ``obj.push_to_hub``, which saves into a temporary folder,
-    code included, and uploads all of it.
+    through transformers' PEFT integration) needs no model code. ``push_to_hub=True`` uploads the folder as
+    transformers does (the repository created first, then the files this save wrote, with a model card for a model),
+    but after the code is written, which the parent's upload would precede; the code files are uploaded even where an
+    earlier save had written them already.
     """
     push_to_hub = kwargs.pop("push_to_hub", False)
     hub_arguments = {name: kwargs.pop(name) for name in _HUB_ARGUMENTS if name in kwargs}
-    result = parent_save_pretrained(save_directory, *args, **kwargs)
     bound = inspect.signature(parent_save_pretrained).bind_partial(save_directory, *args, **kwargs).arguments
-    if not bound.get("is_main_process", True) or not Path(save_directory).is_dir():
-        return result  # (transformers only logs an error for a save_directory that is a file, and writes nothing)
-    if not getattr(obj, "_hf_peft_config_loaded", False):
-        save_model_code(obj, save_directory)
-    if push_to_hub:
+    main_process = bound.get("is_main_process", True)
+    if push_to_hub and main_process and not os.path.isfile(save_directory):
+        from transformers.utils.hub import hf_api
+
+        os.makedirs(save_directory, exist_ok=True)
         repo_id = hub_arguments.pop("repo_id", None) or Path(save_directory).name
-        extra = {name: kwargs[name] for name in ("token", "max_shard_size") if name in kwargs}
-        obj.push_to_hub(repo_id, **extra, **hub_arguments)
+        repo_id = hf_api().create_repo(repo_id, private=hub_arguments.pop("private", None), token=kwargs.get("token"),
+                                       exist_ok=True).repo_id
+        timestamps = obj._get_files_timestamps(save_directory)
+    result = parent_save_pretrained(save_directory, *args, **kwargs)
+    if not main_process or not Path(save_directory).is_dir():
+        return result  # (transformers only logs an error for a save_directory that is a file, and writes nothing)
+    written = [] if getattr(obj, "_hf_peft_config_loaded", False) else save_model_code(obj, save_directory)
+    if push_to_hub:
+        for path in written:
+            timestamps.pop(Path(path).name, None)
+        tags = hub_arguments.pop("tags", None)
+        if hasattr(obj, "model_tags"):  # a model: the Hub's card (or a new one), tagged, as transformers writes it
+            from transformers.utils.hub import create_and_tag_model_card
+
+            tags = [tags] if isinstance(tags, str) else list(tags or [])
+            card = create_and_tag_model_card(repo_id, [*(obj.model_tags or []), *tags], token=kwargs.get("token"))
+            card.save(os.path.join(save_directory, "README.md"))
+        obj._upload_modified_files(save_directory, repo_id, timestamps, token=kwargs.get("token"), **hub_arguments)
     return result
 
 
