@@ -62,7 +62,8 @@ def add_arguments(parser):
                        help="training reviews held out for the validation curve (default 1000)")
     group.add_argument("--max_train_examples", type=int, help="a fixed random subset of the training reviews")
     group.add_argument("--max_test_examples", type=int, help="a fixed random subset of the test reviews "
-                       "(default: the whole test split)")
+                       "(default: the whole test split; 64 with --smoke, which also takes 512 training and at most 64 "
+                       "validation reviews unless given)")
     group.add_argument("--keep_html", action="store_true", help="keep the <br /> tags")
 
 
@@ -108,6 +109,10 @@ def load_data(args, preset, tokenizer_dir):
     from .common.classification import PadCollator, accuracy_metrics, split_accuracy_evaluation, tokenized_dataset
 
     reviews = load_reviews(args)
+    if getattr(args, "smoke", False):  # a check of the pipeline, not a measurement: small subsets unless given
+        args.max_train_examples = 512 if args.max_train_examples is None else args.max_train_examples
+        args.max_test_examples = 64 if args.max_test_examples is None else args.max_test_examples
+        args.validation_examples = min(args.validation_examples, 64)
     clean = (lambda text: text) if args.keep_html else (lambda text: text.replace("<br />", " "))
     train = [(clean(t), y) for t, y in reviews["train"]]
     test = [(clean(t), y) for t, y in subset(reviews["test"], args.max_test_examples, seed=1)]

@@ -280,10 +280,13 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_nothing_lost(tiny_shakesp
     assert trajectories[0] == trajectories[1]
 
 
-def test_stop_after_steps_leaves_a_checkpoint_to_resume(tiny_shakespeare, tmp_path):
+def test_stop_after_steps_leaves_a_checkpoint_to_resume(tiny_shakespeare, tmp_path, capsys):
     arguments = ["--smoke", "--variants", "BASE", "--data_path", tiny_shakespeare, "--output_dir", str(tmp_path),
                  "--no_plots", "--max_steps", "8", "--eval_steps", "100"]
     assert tinyshakespeare.main(arguments + ["--stop_after_steps", "4"]) == EXIT_INTERRUPTED
+    # the same command would stop again at once: the message says how to resume
+    assert ("stopped at step 4/8 (--stop_after_steps)" in (out := capsys.readouterr().out)
+            and "Rerun without --stop_after_steps (or with a later step) to resume." in out)
     assert [p.name for p in (tmp_path / "BASE-seed0").glob("checkpoint-*")] == ["checkpoint-4"]
     assert not (tmp_path / "BASE-seed0" / "summary.json").exists()
     # Resuming with other settings would keep the checkpoint's schedule while recording the new ones: refused

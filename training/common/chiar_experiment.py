@@ -547,7 +547,8 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
     from .data import fixed_subset
     from .presets import training_arguments
     from .runs import (
-        barrier, check_replicas_agree, hub_repo_id, is_main_process, open_run_dir, run_settings, train_from, write_json
+        barrier, check_replicas_agree, hub_repo_id, is_main_process, open_run_dir, print_stopped, run_settings,
+        train_from, write_json,
     )
     from .trainer import last_complete_checkpoint, remove_checkpoints
 
@@ -628,9 +629,7 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
     train_from(trainer, checkpoint)
     check_replicas_agree(trainer)
     if trainer.state.global_step < preset.max_steps:
-        print(f"[{arm.name}] stopped at step {trainer.state.global_step}/{preset.max_steps} "
-              f"({interrupt.interrupted_by or '--stop_after_steps'}); checkpoint in {run_dir}. "
-              f"Rerun the same command to resume.", flush=True)
+        print_stopped(arm.name, trainer.state.global_step, preset.max_steps, interrupt.interrupted_by, run_dir)
         return None
 
     steady = timer.durations[3:] or timer.durations

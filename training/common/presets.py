@@ -211,7 +211,7 @@ def add_output_arguments(parser, recipe: str = "<recipe>") -> None:
     group.add_argument("--output_dir", help=f"where runs are written (default: runs/{recipe}-<preset>)")
     group.add_argument("--restart", action="store_true", help="discard existing checkpoints and results of the runs")
     group.add_argument("--stop_after_steps", type=positive_int,
-                       help="stop with a checkpoint after this many steps (resume by rerunning without it)")
+                       help="stop with a checkpoint at this global step (resume by rerunning without it)")
     group.add_argument("--keep_checkpoints", action="store_true", help="keep checkpoints after a run completes")
     group.add_argument("--no_plots", action="store_true", help="skip the PNG figures")
     group.add_argument("--push_to_hub", action="store_true", help="push each trained model (and checkpoints) to the Hub")

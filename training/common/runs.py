@@ -211,6 +211,15 @@ def train_from(trainer, checkpoint: str | None):
         raise
 
 
+def print_stopped(name: str, step: int, max_steps: int, interrupted_by: str | None, run_dir: str) -> None:
+    """Say where a run stopped early and how to resume it: a signal's run resumes with the same command; a run stopped
+    by ``--stop_after_steps`` (the global step to stop at) would stop again at once, one step further."""
+    how = ("Rerun the same command to resume" if interrupted_by else
+           "Rerun without --stop_after_steps (or with a later step) to resume")
+    print(f"[{name}] stopped at step {step}/{max_steps} ({interrupted_by or '--stop_after_steps'}); checkpoint in "
+          f"{run_dir}. {how}.", flush=True)
+
+
 def train_or_resume(trainer, interrupt, run_dir: str, max_steps: int) -> dict | None:
     """Train, resuming from the newest complete checkpoint of ``run_dir``. Returns timing facts, or None when the
     run stopped early (signal, ``--stop_after_steps``) with a checkpoint to resume from."""
@@ -222,9 +231,7 @@ def train_or_resume(trainer, interrupt, run_dir: str, max_steps: int) -> dict | 
     output = train_from(trainer, checkpoint)
     check_replicas_agree(trainer)
     if trainer.state.global_step < max_steps:
-        print(f"[{name}] stopped at step {trainer.state.global_step}/{max_steps} "
-              f"({interrupt.interrupted_by or '--stop_after_steps'}); checkpoint in {run_dir}. "
-              f"Rerun the same command to resume.", flush=True)
+        print_stopped(name, trainer.state.global_step, max_steps, interrupt.interrupted_by, run_dir)
         return None
     return {"train_seconds": round(time.time() - started, 1),
             "resumed_from": checkpoint and os.path.basename(checkpoint),
