@@ -38,6 +38,18 @@ def _auto_table():
     ]
 
 
+def register_model(config_class, auto_name: str, model_class) -> None:
+    """``transformers.<auto_name>.register(config_class, model_class)``; a causal LM's class name also goes into
+    transformers' table of causal-LM names, which the Auto registration does not touch: Trainer shifts the labels
+    for label smoothing only for models named there, and would otherwise smooth a loss on unshifted labels (each
+    position predicting its own token)."""
+    getattr(transformers, auto_name).register(config_class, model_class, exist_ok=True)
+    if auto_name == "AutoModelForCausalLM":
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(config_class.model_type, model_class.__name__)
+
+
 def register_auto_classes() -> None:
     """Register configs, models and the char tokenizer with the Auto classes (idempotent)."""
     from .tokenization_char import CharTokenizer
@@ -45,7 +57,7 @@ def register_auto_classes() -> None:
     for config_class, models in _auto_table():
         transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         for auto_name, model_class in models.items():
-            getattr(transformers, auto_name).register(config_class, model_class, exist_ok=True)
+            register_model(config_class, auto_name, model_class)
         transformers.AutoTokenizer.register(config_class, slow_tokenizer_class=CharTokenizer, exist_ok=True)
     CharTokenizer.register_for_auto_class("AutoTokenizer")
 

@@ -41,11 +41,13 @@ GATES_FILE_FORMAT_VERSION = 1  # of the description in the metadata; a reader re
 
 def register_energy_gated_models() -> None:
     """Register ``energy_gated_<family>`` configs and models with the Auto classes (run on ``import hf_spectral``)."""
+    from ..registration import register_model
+
     for family in supported_families():
         config_class = gated_config_class(family)
         transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         for auto_name, stock_class in family.model_classes.items():
-            getattr(transformers, auto_name).register(config_class, gated_model_class(stock_class), exist_ok=True)
+            register_model(config_class, auto_name, gated_model_class(stock_class))
 
 
 def gated_attention_modules(model) -> list:

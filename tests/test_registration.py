@@ -1,0 +1,36 @@
+"""What ``import hf_spectral`` registers with transformers."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.trainer_pt_utils import LabelSmoother
+
+from hf_spectral import ChiarConfig, ChiarForCausalLM, EGAConfig, EGAForCausalLM
+from hf_spectral.retrofit import add_energy_gates
+
+
+def _causal_lms():
+    torch.manual_seed(0)
+    ega = EGAForCausalLM(EGAConfig.from_variant("EGA-1", vocab_size=40, hidden_size=32, num_hidden_layers=1,
+                                                num_attention_heads=2, max_position_embeddings=16))
+    chiar = ChiarForCausalLM(ChiarConfig(vocab_size=40, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                         max_position_embeddings=16, rbf_num_features=8))
+    gpt2 = add_energy_gates(GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2, n_positions=16)))
+    return {"ega": ega, "chiar": chiar, "retrofitted gpt2": gpt2}
+
+
+@pytest.mark.parametrize("name", ["ega", "chiar", "retrofitted gpt2"])
+def test_trainer_label_smoothing_shifts_the_labels_of_every_causal_lm(name, tmp_path):
+    # Trainer shifts labels for label smoothing only for the causal-LM names transformers lists; unlisted, each
+    # position would be trained to predict its own token.
+    model = _causal_lms()[name].eval()
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(1))
+    arguments = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, use_cpu=True, report_to=[])
+    trainer = Trainer(model=model, args=arguments)
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, {"input_ids": ids, "labels": ids})
+        logits = model(ids).logits
+    smoother = LabelSmoother(epsilon=0.1)
+    shifted = smoother({"logits": logits}, ids, shift_labels=True)
+    assert not torch.allclose(shifted, smoother({"logits": logits}, ids))  # the two objectives differ here
+    torch.testing.assert_close(loss, shifted)
