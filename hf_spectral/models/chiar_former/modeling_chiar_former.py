@@ -871,7 +871,14 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
             if outputs.aux_loss is not None:
-                loss = loss + outputs.aux_loss
+                aux_loss = outputs.aux_loss
+                num_items_in_batch = kwargs.get("num_items_in_batch")
+                if num_items_in_batch is not None:
+                    # The token loss is a sum over this micro-batch divided by the tokens of all micro-batches (and
+                    # processes) of an optimiser step, which Trainer then adds up: the regulariser takes this
+                    # micro-batch's share of those tokens, so that it counts once per step, not once per micro-batch.
+                    aux_loss = aux_loss * (labels[..., 1:] != -100).sum() / num_items_in_batch
+                loss = loss + aux_loss
         return ChiarCausalLMOutputWithPast(
             loss=loss,
             logits=logits,

@@ -225,6 +225,11 @@ def test_usage_entropy_regulariser_is_added_to_the_loss():
     assert expected > 0.05
     assert out.aux_loss.item() == pytest.approx(0.01 * expected, rel=1e-4)
     assert out.loss.item() == pytest.approx(out_plain.loss.item() + out.aux_loss.item(), rel=1e-6)
+    # Under gradient accumulation Trainer normalises by the tokens of the whole step (num_items_in_batch) and adds
+    # the micro-batches' losses: the regulariser takes this micro-batch's share, so it is counted once per step.
+    tokens = ids[:, 1:].numel()
+    half = regularised(ids, labels=ids, num_items_in_batch=torch.tensor(2 * tokens))
+    assert half.loss.item() == pytest.approx(out.loss.item() / 2, rel=1e-5)
 
 
 # --- causality -------------------------------------------------------------------------------------------------
