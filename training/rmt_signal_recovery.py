@@ -30,6 +30,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from .common.presets import positive_int  # noqa: E402
 from .results import write_results  # noqa: E402
 
 
@@ -686,7 +687,8 @@ def main(argv=None):
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--smoke", action="store_true", help="toy sizes, every step, under a minute")
     parser.add_argument("--out", default=None, help="output folder (default results/rmt, or runs/rmt_smoke with --smoke)")
-    parser.add_argument("--seeds", type=int, default=None, help="number of seeds for the outlier checks (default 8)")
+    parser.add_argument("--seeds", type=positive_int, default=None,
+                        help="number of seeds for the outlier checks (default 8)")
     parser.add_argument("--skip-model", action="store_true", help="skip the EGA-GPT part (no torch training)")
     parser.add_argument("--energy-normalization", default="causal", choices=("causal", "window", "none"),
                         help="EGA gate statistics of the model part (default: the project's causal default)")

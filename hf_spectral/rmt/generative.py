@@ -142,6 +142,13 @@ class PrefixCorrelation(PositionCorrelation):
         signs[:, : self.prefix] = signs[:, :1]
         return signs
 
+    def top_eigenvector(self):
+        """Uniform on the prefix. (For L = 1, R = I: every unit vector is a top eigenvector, and the model's label is
+        the first position's sign, so e_1 is the one that labels and pools it.)"""
+        weights = np.zeros(self.length)
+        weights[: self.prefix] = 1.0 / np.sqrt(self.prefix)
+        return weights
+
     def __repr__(self):
         return f"PrefixCorrelation(T={self.length}, L={self.prefix})"
 

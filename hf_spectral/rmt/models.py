@@ -385,6 +385,7 @@ def estimate_position_correlation(model, dataloader, *, states: str | int = "emb
 
         # pass 2: second moment of the per-position signal x_t = (h_t − h̄_t)·u
         moment, pairs = np.zeros((keep, keep)), np.zeros((keep, keep))
+        second_pass_sequences = 0
         for batch in _batches(dataloader, max_batches):
             inputs, _ = _split_batch(batch, device)
             states, mask = read(inputs)
@@ -395,6 +396,13 @@ def estimate_position_correlation(model, dataloader, *, states: str | int = "emb
             x = ((h - mean_h[:T]) @ u) * f
             moment[:T, :T] += x.T @ x
             pairs[:T, :T] += f.T @ f
+            second_pass_sequences += h.shape[0]
+    if second_pass_sequences != n_sequences:
+        raise ValueError(
+            f"the dataloader gave {n_sequences} sequences in the first pass over it and {second_pass_sequences} in the "
+            "second: the estimate reads it twice, so it must be re-iterable with the same data (a DataLoader or a "
+            "list of batches, not a generator or an iterator)"
+        )
     M = moment / np.maximum(pairs, 1)
     variances = np.diag(M).copy()
     R = _normalise_second_moment(M)

@@ -115,15 +115,18 @@ def plot_accuracy(summary: list[dict], title: str | None = None, path: str | Non
 
 
 def plot_pooling_weights(weights: dict, title: str | None = None, path: str | None = None) -> Figure:
-    """Pooling weight profiles (name -> weights over positions), each rescaled to sum 1, on one axis; e.g. the
-    effective weights of a model's attention layers next to the harmonic and the fitted RMT-optimal weights."""
+    """Pooling weight profiles (name -> weights over positions), each rescaled so that its absolute values sum to 1
+    (weights of both signs, such as an eigenvector's, may sum to 0), on one axis; e.g. the effective weights of a
+    model's attention layers next to the harmonic and the fitted RMT-optimal weights."""
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.add_subplot()
     for name, w in weights.items():
         w = np.asarray(w, dtype=float)
-        ax.plot(np.arange(1, w.size + 1), w / w.sum(), marker=".", label=name, color=POOLING_COLORS.get(name))
+        scale = np.abs(w).sum()
+        ax.plot(np.arange(1, w.size + 1), w / scale if scale > 0 else w, marker=".", label=name,
+                color=POOLING_COLORS.get(name))
     ax.set_xlabel("position t")
-    ax.set_ylabel(r"weight $w_t$ (sums to 1)")
+    ax.set_ylabel(r"weight $w_t$ (|w| sums to 1)")
     ax.set_title(title or "pooling weights")
     ax.legend(fontsize=8)
     return _save(fig, path)

@@ -68,12 +68,20 @@ def causal_attention_limit_weights(T: int, tau: float = 0.0, include_self: bool 
     _check_length(T)
     if not np.isfinite(tau):
         raise ValueError(f"tau must be finite, got {tau!r}")
-    self_weight = np.exp(tau)
-    i = np.arange(1, T + 1)  # query index
-    per_query_other = 1.0 / (self_weight + i - 1)  # weight of each earlier key under query i
-    # key t gets e^τ/(e^τ + t − 1) from query t and Σ_{i>t} 1/(e^τ + i − 1) from the later queries
+    earlier = np.arange(T, dtype=float)  # query i (1-based) has i − 1 earlier keys
+    # Query i puts e^τ/(e^τ + i − 1) on itself and 1/(e^τ + i − 1) on each earlier key, written so that no e^±τ
+    # overflows (|τ| up to the float range): divided through by e^τ for τ ≥ 0.
+    if tau >= 0:
+        scale = np.exp(-tau)  # ≤ 1
+        own, per_query_other = 1.0 / (1.0 + earlier * scale), scale / (1.0 + earlier * scale)
+    else:
+        scale = np.exp(tau)  # < 1, possibly 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            own = np.where(earlier == 0, 1.0, scale / (scale + earlier))
+            per_query_other = np.where(earlier == 0, 0.0, 1.0 / (scale + earlier))
+    # key t gets its own query's share and 1/(e^τ + i − 1) from every later query i
     tail = np.concatenate([np.cumsum(per_query_other[::-1])[::-1][1:], [0.0]])
-    w = self_weight * per_query_other + tail
+    w = own + tail
     return w / w.sum()
 
 

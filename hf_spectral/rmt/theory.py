@@ -118,7 +118,8 @@ def stieltjes_transform(z, delta: float, gamma: float) -> np.ndarray:
     measure on [0, ∞)); ambiguous points are resolved by continuation from z + 10³ i, where m ≈ −1/z.
     """
     _check_ratios(delta, gamma)
-    z = np.asarray(z, dtype=complex)
+    shape = np.shape(z)  # a scalar z gives a 0-d array back
+    z = np.atleast_1d(np.asarray(z, dtype=complex))
     if np.any(z.imag <= 0):
         raise ValueError("stieltjes_transform needs Im z > 0; use bulk_density for the real axis")
     m, ambiguous = _pick_stieltjes_branch(z, _roots(_cubic_coefficients(z, delta, gamma)))
@@ -130,7 +131,7 @@ def stieltjes_transform(z, delta: float, gamma: float) -> np.ndarray:
             candidates = candidates[~np.isnan(candidates)]
             previous = candidates[np.argmin(np.abs(candidates - previous))]
         m[index] = previous
-    return m
+    return m.reshape(shape)
 
 
 def bulk_atom_at_zero(delta: float, gamma: float) -> float:
@@ -264,12 +265,12 @@ def sample_threshold(delta: float, gamma: float) -> float:
 
 def has_population_outlier(rho, delta: float):
     """ρ > δ + √δ."""
-    return np.asarray(rho) > population_threshold(delta)
+    return _check_rho(rho) > population_threshold(delta)
 
 
 def has_sample_outlier(rho, delta: float, gamma: float):
     """ρ above ``sample_threshold``."""
-    return np.asarray(rho) > sample_threshold(delta, gamma)
+    return _check_rho(rho) > sample_threshold(delta, gamma)
 
 
 def population_outlier(rho, delta: float, kappa: float = 1.0):
@@ -345,4 +346,7 @@ def signal_overlap_factor(mu_norm2: float, delta: float, table: str = "class_cen
 def snr(alpha: float, kappa: float, mu_norm2: float) -> float:
     """ρ = α ‖μ‖² / κ (pass ``effective_signal_norm2`` for a raw table)."""
     _check_kappa(kappa)
+    for name, value in (("alpha", alpha), ("mu_norm2", mu_norm2)):
+        if not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
     return float(alpha) * float(mu_norm2) / float(kappa)

@@ -96,3 +96,12 @@ def test_tokens_come_from_the_sign_class_and_pooling_is_the_weighted_sum():
         pool_tokens(table, tokens, w[:5])
     with pytest.raises(ValueError, match="all zeros"):
         sample_pooled(table, model, np.zeros(7), 5)
+
+
+def test_a_prefix_of_one_labels_and_pools_by_the_first_position():
+    from hf_spectral.rmt import PrefixCorrelation
+
+    model = PrefixCorrelation(5, 1)  # R = I: every unit vector is a top eigenvector; the model means the first
+    signs = model.sample_signs(200, np.random.default_rng(0))
+    np.testing.assert_array_equal(model.labels(signs), signs[:, 0])
+    np.testing.assert_array_equal(model.top_eigenvector(), [1.0, 0, 0, 0, 0])

@@ -111,6 +111,10 @@ def test_estimate_handles_padding_and_needs_labels():
     assert prefix_pairs.min() > 0.2 and np.abs(later_pairs).mean() < 0.1
     with pytest.raises(ValueError, match="labelled"):
         estimate_position_correlation(CausalMixer(), [{k: v for k, v in batches[0].items() if k != "labels"}])
+    # The estimate reads the data twice: a one-pass iterator would leave the second pass empty (R̂ = I, and a fit
+    # would put all its weight on the last position), so it is refused.
+    with pytest.raises(ValueError, match="re-iterable"):
+        estimate_position_correlation(CausalMixer(), iter(batches))
 
 
 def test_a_label_sorted_dataset_gives_the_estimate_of_the_known_number_of_classes():

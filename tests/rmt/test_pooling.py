@@ -82,3 +82,13 @@ def test_parameter_free_causal_attention_tends_to_harmonic_weights(tau):
     assert np.abs(measured(3000, True) - limit).max() < 0.03 * limit.max()
     # the conventions differ: the self-key measurement is far from the strictly causal limit
     assert np.abs(measured(3000, True) - strict).max() > 0.1 * strict.max()
+
+
+def test_causal_attention_limit_weights_stay_finite_for_any_tau():
+    from hf_spectral.rmt import causal_attention_limit_weights
+
+    np.testing.assert_allclose(causal_attention_limit_weights(4, 710.0), np.full(4, 0.25))  # each query: itself
+    # τ → −∞: query 1 keeps its only key, query i > 1 spreads 1/(i − 1) over its earlier keys
+    expected = np.array([1 + 1 + 1 / 2 + 1 / 3, 1 / 2 + 1 / 3, 1 / 3, 0.0]) / 4
+    np.testing.assert_allclose(causal_attention_limit_weights(4, -800.0), expected, atol=1e-12)
+    np.testing.assert_allclose(causal_attention_limit_weights(4, -30.0), expected, atol=1e-12)

@@ -27,3 +27,12 @@ def test_smoke_run_writes_every_result(tmp_path):
     readme = (tmp_path / "README.md").read_text()
     assert "| claim | criterion | measured | verdict |" in readme and "Smoke sizes" in readme
     assert set(results) >= {"snr", "bulk", "outliers", "below", "raw", "harmonic", "ridge", "model"}
+
+
+def test_a_seed_count_below_one_is_a_usage_error(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--smoke", "--seeds", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --seeds: must be a positive integer, got 0" in capsys.readouterr().err

@@ -217,3 +217,34 @@ def test_raw_table_needs_the_delta_correction():
     overlap = np.mean([r.overlap for r in runs])
     factor = signal_overlap_factor(mu2, runs[0].delta, "raw")
     assert overlap == pytest.approx(float(sample_overlap(rho_corrected, delta, gamma)) * factor, rel=0.06)
+
+
+def test_scalar_arguments_and_bad_values_are_handled_by_name():
+    from hf_spectral.rmt import has_population_outlier, has_sample_outlier, snr, stieltjes_transform
+
+    scalar = stieltjes_transform(2 + 0.5j, 0.5, 0.5)
+    assert np.shape(scalar) == () and scalar == stieltjes_transform([2 + 0.5j], 0.5, 0.5)[0]
+    for call in (lambda: has_sample_outlier(float("nan"), 0.5, 0.5), lambda: has_population_outlier(-5, 0.5)):
+        with pytest.raises(ValueError, match="rho must be finite and >= 0"):
+            call()
+    with pytest.raises(ValueError, match="alpha must be finite and >= 0"):
+        snr(-1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="mu_norm2 must be finite and >= 0"):
+        snr(1.0, 1.0, float("nan"))
+
+
+def test_ks_distance_refuses_a_negative_count_to_exclude():
+    with pytest.raises(ValueError, match="exclude_top must be an integer >= 0, got -1"):
+        ks_distance(np.linspace(0.1, 2.0, 50), 0.5, 0.5, exclude_top=-1)
+
+
+def test_weights_on_about_one_position_warn_that_the_bulk_law_does_not_hold():
+    from hf_spectral.rmt import PrefixCorrelation, simulate_spectrum
+
+    with pytest.warns(UserWarning, match="effective positions"):
+        simulate_spectrum(np.eye(8)[0], PrefixCorrelation(8, 1), dim=60, delta=0.5, gamma=0.5, mu_norm2=0.0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        simulate_spectrum(np.ones(8), PrefixCorrelation(8, 2), dim=60, delta=0.5, gamma=0.5, mu_norm2=0.0)
