@@ -227,7 +227,8 @@ def test_every_class_and_the_tokenizer_load_without_the_plugin(tmp_path, family)
 
     assert results["config only"]["class"].endswith(f".{causal_class.__name__}")
     resaved_map = json.loads((tmp_path / "config resaved" / "config.json").read_text())["auto_map"]
-    assert resaved_map["AutoConfig"] == json.loads((first / "config.json").read_text())["auto_map"]["AutoConfig"]
+    # The remotely loaded config keeps its model classes (transformers caches the modeling file in another folder)
+    assert resaved_map == json.loads((first / "config.json").read_text())["auto_map"]
     for reference in resaved_map.values():  # every entry names a file the folder holds
         assert (tmp_path / "config resaved" / f"{reference.rpartition('.')[0]}.py").is_file(), reference
 

@@ -237,7 +237,8 @@ def _model_classes(config, model_class) -> dict:
     if model_class is not None:
         module = sys.modules[model_class.__module__]
     else:  # a config alone: the modeling module beside its configuration module, or the config's own module
-        module = _sibling_modeling_module(type(config)) or sys.modules[type(config).__module__]
+        module = _sibling_modeling_module(type(config)) or _remote_modeling_module(config)
+        module = module or sys.modules[type(config).__module__]
     found: dict[str, list] = {}
     for value in vars(module).values():
         if (
@@ -289,6 +290,33 @@ def _sibling_modeling_module(config_class):
     if not (config_file.parent / f"{modeling_name.rpartition('.')[2]}.py").is_file():
         return None
     return importlib.import_module(modeling_name)
+
+
+def _remote_modeling_module(config):
+    """For a config loaded with ``trust_remote_code``: its modeling module. transformers caches each file of a
+    checkpoint's code in a folder of its own, so the modeling file is not beside the configuration file: it is the
+    loaded module of that name that defines models for this config class, or, where none is loaded, the module the
+    config's own ``auto_map`` names, loaded from where the config came from (``None`` if that fails)."""
+    package, _, stem = type(config).__module__.rpartition(".")
+    if not package.startswith("transformers_modules") or not stem.startswith("configuration_"):
+        return None
+    modeling_stem = stem.replace("configuration_", "modeling_", 1)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("transformers_modules.") and name.rpartition(".")[2] == modeling_stem and any(
+            isinstance(value, type) and _same_class(getattr(value, "config_class", None), type(config))
+            for value in vars(module).values()
+        ):
+            return module
+    auto_map = getattr(config, "auto_map", None) or {}
+    reference = next((auto_map[name] for name in AUTO_MODEL_CLASSES if isinstance(auto_map.get(name), str)), None)
+    if reference is None or not getattr(config, "_name_or_path", None):
+        return None
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    try:
+        return sys.modules[get_class_from_dynamic_module(reference, config._name_or_path).__module__]
+    except (OSError, ValueError, ImportError):
+        return None
 
 
 def _module_stem(cls) -> str:
