@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .positions import host_length, host_reads_are_free
+from .positions import host_reads_are_free, padding_of_causal_mask
 
 NORMALIZATIONS = ("causal", "window", "none")
 ENERGY_KINDS = ("linear", "conv", "morlet", "db2", "db4")
@@ -115,6 +115,12 @@ def window_zscore(energy: torch.Tensor, weight: torch.Tensor | None = None, eps:
     return (energy - mean) / variance.clamp(min=eps * eps).sqrt() * ((count >= 2) & (weight > 0))
 
 
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32, or float64 where it is float64: the gate's statistics never run in 16 bits, and a
+    float64 model (e.g. under ``torch.autograd.gradcheck``) keeps its precision."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def token_weight(valid: torch.Tensor | None) -> torch.Tensor | None:
     """(B, T) bool padding mask -> (B, 1, 1, T) float32 weights broadcasting against (B, H, S, T)."""
     return None if valid is None else valid[:, None, None, :].float()
@@ -128,7 +134,7 @@ def normalize_energy(
     ``mode``: ``"causal"`` (``causal_zscore``: no later token can change a position), ``"window"``
     (``window_zscore``: sees the future) or ``"none"`` (energies unchanged). Returns float32, 0 at padding.
     """
-    energy, weight = energy.float(), token_weight(valid)
+    energy, weight = at_least_float32(energy), token_weight(valid)
     if mode == "causal":
         return causal_zscore(energy, weight, eps=eps)[0]
     if mode == "window":
@@ -160,16 +166,16 @@ def log_gate_bias(
         gate: (B, H, T) the gate values g_j ∈ (0, 1).
     """
     if z.shape[-2] == 1:  # one scale: the mixture is the gate itself, and α = 0 gives logsigmoid(±0) twice: bias 0
-        alpha, tau = alpha.float(), tau.float()  # (H, 1), broadcasting against (B, H, T)
+        alpha, tau = alpha.to(z.dtype), tau.to(z.dtype)  # (H, 1), broadcasting against (B, H, T)
         log_gate = F.logsigmoid(alpha * (z[:, :, 0] - tau))
         bias = log_gate - F.logsigmoid(alpha * -tau)
         if torch.is_grad_enabled() and mix_logits.requires_grad:
             # log_softmax of one logit is exactly 0 (x − x): the bias keeps its bits, and the mixing logit stays in
             # the graph with its zero gradient, which DistributedDataParallel (find_unused_parameters=False) needs.
-            bias = bias + torch.log_softmax(mix_logits.float(), dim=-1)
+            bias = bias + torch.log_softmax(mix_logits.to(z.dtype), dim=-1)
         return bias, log_gate.exp()
-    alpha, tau = alpha.float()[..., None], tau.float()[..., None]  # (H, S, 1)
-    log_mix = torch.log_softmax(mix_logits.float(), dim=-1)[..., None]
+    alpha, tau = alpha.to(z.dtype)[..., None], tau.to(z.dtype)[..., None]  # (H, S, 1)
+    log_mix = torch.log_softmax(mix_logits.to(z.dtype), dim=-1)[..., None]
     log_gate = torch.logsumexp(log_mix + F.logsigmoid(alpha * (z - tau)), dim=-2)  # (B, H, T)
     log_gate_at_mean = torch.logsumexp(log_mix + F.logsigmoid(alpha * -tau), dim=-2)  # (H, 1)
     bias = log_gate - log_gate_at_mean
@@ -190,18 +196,17 @@ def state_channels(floats: int, dtype: torch.dtype) -> int:
 def pack_state(state: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 state (…, F) -> (…, ``state_channels(F, dtype)``) of ``dtype``: the float32 bits reinterpreted
     in 16-bit dtypes (a bfloat16 KV cache then keeps running moments at full float32 precision), cast otherwise.
-    Caches only copy, reorder and slice what they hold, which keeps the bits."""
-    state = state.float()
+    Caches only copy, reorder and slice what they hold, which keeps the bits. (A float64 cache keeps float64.)"""
     if dtype.itemsize < 4:
-        return state.contiguous().view(dtype)
+        return state.float().contiguous().view(dtype)
     return state.to(dtype)
 
 
 def unpack_state(channels: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``pack_state``: (…, channels) of the cache's dtype -> float32 (…, F)."""
+    """The inverse of ``pack_state``: (…, channels) of the cache's dtype -> float32 (…, F) (float64 stays)."""
     if channels.dtype.itemsize < 4:
         return channels.contiguous().view(torch.float32)
-    return channels.float()
+    return at_least_float32(channels)
 
 
 def check_generation_mode(normalization: str, generation_mode: str, model_name: str) -> None:
@@ -221,11 +226,9 @@ def check_generation_mode(normalization: str, generation_mode: str, model_name: 
 
 def padding_mask(mask, length: int | torch.Tensor | None = None) -> torch.Tensor | None:
     """The (batch, past + new) bool padding mask (True at tokens) behind an ``attention_mask``: a 2D mask as given;
-    a 4D mask (batch, 1, queries, keys), bool or additive, read from its last query row, which sees every earlier
-    token: its first ``length`` columns, or all of them (``length`` ``None``, or a tensor on a device or inside a
-    compiled graph: a ``StaticCache``'s length, which cannot be read without a synchronisation; its columns past
-    the new positions are then False); a dict of masks (one per layer type) through its first entry; ``None`` for
-    anything else, and for a CPU mask without padding.
+    a causal 4D mask (batch, 1, queries, keys), bool or additive, through `padding_of_causal_mask` (its last row's
+    first ``length`` columns; a mask that is not causal plus padding is refused); a dict of masks (one per layer
+    type) through its first entry; ``None`` for anything else, and for a CPU mask without padding.
 
     Without padding the gates skip their masking (about ten element-wise ops per layer, which bound a decoding step
     on CPU). Like transformers' own SDPA mask, the check runs only outside compiled graphs, and only on CPU, where
@@ -234,14 +237,7 @@ def padding_mask(mask, length: int | torch.Tensor | None = None) -> torch.Tensor
         mask = next((m for m in mask.values() if m is not None), None)
     if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 4):
         return None
-    if mask.ndim == 2:
-        tokens = mask.bool()
-    else:
-        seen = mask[:, 0, -1]
-        tokens = seen if seen.dtype == torch.bool else seen == 0
-        length = host_length(length)
-        if length is not None:
-            tokens = tokens[:, :length]
+    tokens = mask.bool() if mask.ndim == 2 else padding_of_causal_mask(mask, length)
     if host_reads_are_free(tokens) and bool(tokens.all()):
         return None
     return tokens
@@ -553,7 +549,7 @@ class EnergyGate(nn.Module):
             x = x * new_valid[:, :, None].to(x.dtype)
         width = state_channels(self.state_floats, past_aux.dtype) if past_length else 0
         past_features = past_aux[..., width:] if past_length and self.energy.feature_width else None
-        energy = self.energy(x, past_features).float()
+        energy = at_least_float32(self.energy(x, past_features))
         weight = token_weight(new_valid)
 
         state = None

@@ -108,8 +108,9 @@ def replace_folded_bias(key: torch.Tensor, bias: torch.Tensor, head_dim: int) ->
 def unfold_key_bias(
     key: torch.Tensor, value: torch.Tensor, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of ``fold_bias_into_kv`` for folded keys/values from a cache: (key, value, bias float32)."""
-    return key[..., :head_dim], value[..., :head_dim], key[..., head_dim].float()
+    """The inverse of ``fold_bias_into_kv`` for folded keys/values from a cache: (key, value, bias at least
+    float32)."""
+    return key[..., :head_dim], value[..., :head_dim], key[..., head_dim].to(torch.promote_types(key.dtype, torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ class SequencePooling(nn.Module):
         if positions.numel() and positions.max() >= self.max_positions:
             raise ValueError(f"sequence has more than {self.max_positions} tokens, the size of the pooling table")
         if self.mode == "learned":
-            logits = self.position_logits[positions].masked_fill(mask == 0, float("-inf"))
-            return pool_weighted(hidden, mask, torch.softmax(logits.float(), dim=-1))
+            # The lowest float, not -inf: a row of padding only gets finite weights (zeroed by the mask), not NaN.
+            logits = self.position_logits[positions].float().masked_fill(mask == 0, torch.finfo(torch.float32).min)
+            return pool_weighted(hidden, mask, torch.softmax(logits, dim=-1))
         return pool_weighted(hidden, mask, self.position_weights[positions].float())

@@ -32,6 +32,40 @@ def host_length(past_length: int | torch.Tensor | None) -> int | None:
     return int(past_length) if host_reads_are_free(past_length) else None
 
 
+def padding_of_causal_mask(mask: torch.Tensor, length: int | torch.Tensor | None = None) -> torch.Tensor:
+    """The (batch, keys) bool padding (True at tokens) of a causal 4D ``attention_mask`` (batch, 1, queries, keys),
+    bool (True = seen) or additive (0 = seen): its last query row, which sees every earlier token; the first
+    ``length`` columns (cached + new positions) where that is an ``int``, all of them otherwise (a ``StaticCache``'s
+    length on a device or in a compiled graph: the columns after the new positions then read as padding).
+
+    The gates and CHIAR's routing take the padding from this row, so the mask must be causal plus padding: where
+    reading it is free (CPU, outside a compiled graph), any other mask — block-diagonal masks of packed sequences,
+    a sliding window that hides earlier tokens — is refused rather than read as padding."""
+    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # (batch, queries, keys)
+    length = host_length(length)
+    if length is not None:
+        allowed = allowed[..., :length]
+    tokens = allowed[:, -1]
+    queries = allowed.shape[-2]
+    seen = tokens.any(0).nonzero() if host_reads_are_free(allowed) else None
+    # The new positions end at the last column the last query sees (a StaticCache's mask is wider).
+    end = (length if length is not None else int(seen.max()) + 1) if seen is not None and len(seen) else 0
+    if end >= queries > 0:
+        query_positions = torch.arange(end - queries, end)
+        causal = torch.arange(end)[None, :] <= query_positions[:, None]
+        rows = allowed[..., :end]
+        wrong = (rows != (tokens[:, None, :end] & causal)).any(-1)  # (batch, queries)
+        # A padding query's row may also be left fully open (mask builders that keep every softmax row non-empty).
+        wrong &= tokens[:, query_positions] | ~rows.all(-1)
+        if bool(wrong.any()):
+            raise ValueError(
+                "a 4D attention_mask must be causal plus padding: the energy gates and CHIAR-Former's routing read "
+                "the padding from its last row, and this mask hides other keys from some token (packed sequences' "
+                "block-diagonal masks, sliding windows). Pass the 2D padding mask, with one sequence per row"
+            )
+    return tokens
+
+
 def keep_padding_mask_for_generate(attention_mask=None, **kwargs):
     """``create_masks_for_generate`` of the models whose forward needs the 2D padding mask itself: hands it through.
 
@@ -42,4 +76,5 @@ def keep_padding_mask_for_generate(attention_mask=None, **kwargs):
     return attention_mask
 
 
-__all__ = ["host_length", "host_reads_are_free", "keep_padding_mask_for_generate", "new_positions"]
+__all__ = ["host_length", "host_reads_are_free", "keep_padding_mask_for_generate", "new_positions",
+           "padding_of_causal_mask"]

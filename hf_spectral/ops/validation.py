@@ -95,6 +95,11 @@ def check_energy_settings(
             f"`{projections_name}={projections}` applies to linear energies (EGA-k) and would be ignored with "
             f"`energy_kind={energy_kind!r}`; its scales are set by `{scales_name}`"
         )
+    if scales is None and energy_kind != "linear":  # (the configs fill the default scales when they are built)
+        raise ValueError(
+            f"`energy_kind={energy_kind!r}` needs `{scales_name}` (its kernel lengths or dilations); it is None, "
+            f"e.g. because the kind was assigned after the config was built: set `{scales_name}` as well"
+        )
     if scales is not None:
         if energy_kind == "linear":
             raise ValueError(

@@ -82,3 +82,14 @@ def test_bad_position_weights_are_refused(bad, message):
     assert not pooling.is_fitted
     with pytest.raises(ValueError, match="only in 'rmt_optimal'"):
         SequencePooling("mean", 8).set_position_weights(torch.ones(3))
+
+
+@pytest.mark.parametrize("mode", ["last", "mean", "learned"])
+def test_a_row_of_padding_only_pools_to_finite_values_and_gradients(mode):
+    pooling = SequencePooling(mode, max_positions=6)
+    hidden = torch.randn(2, 5, 4, requires_grad=True)
+    mask = torch.tensor([[0, 0, 0, 0, 0], [0, 1, 1, 1, 1]])
+    pooled = pooling(hidden, mask)
+    pooled.sum().backward()
+    assert torch.isfinite(pooled).all() and torch.isfinite(hidden.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in pooling.parameters() if p.grad is not None)

@@ -57,7 +57,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_chiar_former import ChiarConfig
 from ...ops.gated_attention import flex_attention_forward
 from ...ops.pooling import SequencePooling
-from ...ops.positions import host_length, host_reads_are_free, new_positions
+from ...ops.positions import host_length, host_reads_are_free, new_positions, padding_of_causal_mask
 from ...ops.remote_code import save_pretrained_with_code
 from ...ops.random_features import (
     authors_rbf_mixing,
@@ -607,6 +607,10 @@ class ChiarPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(ChiarAttention, index=1),
     }
 
+    def __init__(self, config, *args, **kwargs):
+        config._validate()  # values assigned after the config was built are checked here, before any layer is
+        super().__init__(config, *args, **kwargs)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' ``save_pretrained``, then the code that loads the folder without the plugin
         (``trust_remote_code=True``): the configuration and modeling files, the ops files they import, the ``auto_map``."""
@@ -703,7 +707,7 @@ class ChiarModel(ChiarPreTrainedModel):
             _check_tokens("input_ids", input_ids, 2)
             inputs_embeds = self.embed_tokens(input_ids)
         else:
-            _check_tokens("inputs_embeds", inputs_embeds, 3)
+            _check_tokens("inputs_embeds", inputs_embeds, 3, self.config.hidden_size)
         if not self.built_causal:
             if cache is not None:
                 raise ValueError("a bidirectional CHIAR encoder (is_causal=False) has no cache")
@@ -717,11 +721,11 @@ class ChiarModel(ChiarPreTrainedModel):
         # A StaticCache's length is read on the host only where that is free: for the checks and the slicing below.
         known_length = host_length(past_length)
         if attention_mask is not None and attention_mask.ndim == 4:
-            # A causal 4D mask (generate() builds one for a StaticCache): the last query sees every earlier token, so
-            # its row is the padding mask (bool: True = seen; float: 0 = seen). Without a host-side length the whole
-            # row: the slots after the new positions read as padding, which the attention masks skip anyway.
-            seen = attention_mask[:, 0, -1, : None if known_length is None else known_length + length]
-            attention_mask = seen if seen.dtype == torch.bool else seen == 0
+            # A causal 4D mask (generate() builds one for a StaticCache): its last row is the padding. Without a
+            # host-side length the whole row: the slots after the new positions read as padding, which the attention
+            # masks skip anyway.
+            width = None if known_length is None else known_length + length
+            attention_mask = padding_of_causal_mask(attention_mask, width)
 
         key_valid = token_valid = None
         if attention_mask is not None:
@@ -799,11 +803,11 @@ class ChiarModel(ChiarPreTrainedModel):
         return position_ids.expand(batch, -1)
 
 
-def _check_tokens(name: str, tokens: torch.Tensor, ndim: int) -> None:
-    """Refuse inputs of the wrong rank or with no token, naming the argument and its shape (shapes are static: no
-    synchronisation, no graph break)."""
-    layout = "(batch, positions)" if ndim == 2 else "(batch, positions, hidden_size)"
-    if tokens.ndim != ndim:
+def _check_tokens(name: str, tokens: torch.Tensor, ndim: int, hidden_size: int | None = None) -> None:
+    """Refuse inputs of the wrong rank, width or with no token, naming the argument and its shape (shapes are static:
+    no synchronisation, no graph break)."""
+    layout = "(batch, positions)" if ndim == 2 else f"(batch, positions, hidden_size = {hidden_size})"
+    if tokens.ndim != ndim or (hidden_size is not None and tokens.shape[-1] != hidden_size):
         raise ValueError(f"{name} must have shape {layout}, got a {tokens.ndim}-D tensor of shape {tuple(tokens.shape)}")
     if tokens.shape[0] == 0 or tokens.shape[1] == 0:
         raise ValueError(f"{name} is empty (shape {tuple(tokens.shape)}): CHIAR-Former needs at least one token per row")

@@ -210,6 +210,10 @@ class EGAPreTrainedModel(PreTrainedModel):
         "gate_values": OutputRecorder(EnergyGate, index=1),
     }
 
+    def __init__(self, config, *args, **kwargs):
+        config._validate()  # values assigned after the config was built are checked here, before any layer is
+        super().__init__(config, *args, **kwargs)
+
     def _init_weights(self, module):
         super()._init_weights(module)  # Linear / Conv1d / Embedding: N(0, initializer_range); LayerNorm: 1, 0
         if isinstance(module, EnergyGate):
@@ -240,8 +244,11 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if input_ids is not None and input_ids.ndim != 2:
         raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
-    if inputs_embeds is not None and inputs_embeds.ndim != 3:
-        raise ValueError(f"inputs_embeds must be (batch, length, hidden_size), got shape {tuple(inputs_embeds.shape)}")
+    if inputs_embeds is not None and (inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != config.hidden_size):
+        raise ValueError(
+            f"inputs_embeds must be (batch, length, hidden_size = {config.hidden_size}), got shape "
+            f"{tuple(inputs_embeds.shape)}"
+        )
     name, shape = ("input_ids", input_ids.shape) if input_ids is not None else ("inputs_embeds", inputs_embeds.shape)
     batch, length = shape[0], shape[1]
     if batch == 0 or length == 0:

@@ -198,3 +198,12 @@ def test_the_constructor_warns_about_an_unknown_keyword_but_not_about_transforme
         ChiarConfig.from_pretrained(tmp_path)
         AutoConfig.from_pretrained(tmp_path)
     assert constructor_warnings() == []
+
+
+def test_a_value_assigned_after_construction_is_checked_when_a_model_is_built():
+    from hf_spectral import ChiarForCausalLM
+
+    config = tiny_config()
+    config.num_hidden_layers = 3
+    with pytest.raises(ValueError, match=r"`layer_operators` has 4 entries but `num_hidden_layers` is 3"):
+        ChiarForCausalLM(config)

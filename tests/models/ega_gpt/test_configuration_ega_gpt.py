@@ -213,3 +213,14 @@ def test_a_bad_value_assigned_after_construction_is_refused_at_save(tmp_path):
     with pytest.raises(StrictDataclassClassValidationError, match="`gate_alpha_init` must be a finite number"):
         config.save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_attention_heads", 5, r"`hidden_size` \(24\) must be divisible by `num_attention_heads` \(5\)"),
+    ("energy_kind", "conv", r"`energy_kind='conv'` needs `energy_scales`"),
+])
+def test_a_value_assigned_after_construction_is_checked_when_a_model_is_built(field, value, message):
+    config = EGAConfig.from_variant("EGA-1", vocab_size=40, hidden_size=24, num_hidden_layers=2, num_attention_heads=3)
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=message):
+        EGAForCausalLM(config)

@@ -418,6 +418,8 @@ def test_output_attentions_under_fused_backends_warn_and_fall_back_to_eager(back
         (dict(input_ids=torch.zeros(2, 0, dtype=torch.long)), r"input_ids is empty \(shape \(2, 0\)\)"),
         (dict(input_ids=torch.zeros(0, 5, dtype=torch.long)), r"input_ids is empty \(shape \(0, 5\)\)"),
         (dict(inputs_embeds=torch.zeros(2, 0, 24)), r"inputs_embeds is empty"),
+        (dict(inputs_embeds=torch.zeros(2, 5, 23)), r"inputs_embeds must be \(batch, length, hidden_size = 24\), got "
+                                                    r"shape \(2, 5, 23\)"),
         (dict(input_ids=torch.ones(5, dtype=torch.long)), r"input_ids must be \(batch, length\), got shape \(5,\)"),
         (dict(input_ids=torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(5)),
          r"attention_mask must be 2D .* got shape \(5,\)"),
@@ -453,6 +455,20 @@ def test_a_sequence_longer_than_the_context_is_refused_by_its_length():
         mask = torch.ones_like(ids)
         mask[:, :2] = 0
         assert model(ids, attention_mask=mask).logits.shape == (2, 50, VOCAB)
+
+
+def test_a_packed_sequences_mask_is_refused_not_read_as_padding():
+    # Two documents in one row under a block-diagonal mask: the gates read padding from the mask's last row, which
+    # would count the first document as padding.
+    model = tiny_model("EGA-1")
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    packed = causal.clone()
+    packed[4:, :4] = False
+    with torch.no_grad(), pytest.raises(ValueError, match="must be causal plus padding"):
+        model(torch.ones(1, 8, dtype=torch.long), attention_mask=packed[None, None])
+    with torch.no_grad():  # a causal 4D mask is read as the padding it holds
+        torch.testing.assert_close(model(torch.ones(1, 8, dtype=torch.long), attention_mask=causal[None, None]).logits,
+                                   model(torch.ones(1, 8, dtype=torch.long)).logits)
 
 
 def test_a_mask_must_cover_the_cached_positions_too():
@@ -646,3 +662,14 @@ def test_a_cache_filled_outside_the_model_is_refused_by_name():
         gated(input_ids=ids, labels=ids)
     plain = get_peft_model(tiny_model("BASE"), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     assert torch.isfinite(plain(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize("variant", ["EGA-1", "EGA-C"])
+def test_a_float64_model_keeps_float64_gates_and_passes_gradcheck(variant):
+    # The gate's arithmetic is at least float32: a float64 model (for gradcheck, numerics studies) stays float64.
+    model = tiny_model(variant, hidden_size=8, num_attention_heads=2, num_hidden_layers=1).double()
+    model.set_attn_implementation("eager")
+    embeddings = torch.randn(1, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0),
+                             requires_grad=True)
+    assert model(inputs_embeds=embeddings, output_gate_values=True).gate_values[0].dtype == torch.float64
+    assert torch.autograd.gradcheck(lambda e: model(inputs_embeds=e).logits, (embeddings,), eps=1e-6, atol=1e-5)
