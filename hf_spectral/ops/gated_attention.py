@@ -110,7 +110,8 @@ def unfold_key_bias(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of ``fold_bias_into_kv`` for folded keys/values from a cache: (key, value, bias at least
     float32)."""
-    return key[..., :head_dim], value[..., :head_dim], key[..., head_dim].to(torch.promote_types(key.dtype, torch.float32))
+    bias = key[..., head_dim]
+    return key[..., :head_dim], value[..., :head_dim], bias.to(torch.promote_types(bias.dtype, torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -694,7 +694,8 @@ def test_past_key_values_is_the_cache_as_in_transformers_models():
      r"position_ids must be >= 0, got a minimum of -1 in position_ids of shape \(1, 6\)"),
     (lambda ids: dict(input_ids=ids, position_ids=torch.arange(5)[None]),
      r"position_ids must have shape .*\(2, 6\).*got \(1, 5\)"),
-], ids=["no-positions", "no-rows", "1-D-ids", "narrow-embeddings", "1-D-mask", "mask-of-3-rows", "negative-positions", "short-positions"])
+], ids=["no-positions", "no-rows", "1-D-ids", "narrow-embeddings", "1-D-mask", "mask-of-3-rows",
+        "negative-positions", "short-positions"])
 def test_bad_inputs_are_refused_naming_the_argument_and_shapes(make_inputs, message):
     model = build(ChiarForCausalLM, tiny_config())
     with pytest.raises(ValueError, match=message):
