@@ -258,9 +258,10 @@ def verdict(rows: list[dict]) -> list[str]:
     return lines
 
 
-def median_of_runs(runs: int) -> list[dict]:
+def median_of_runs(runs: int) -> tuple[list[dict], dict]:
     """This benchmark with the same options in ``runs`` fresh processes: one row per (backend, threads, T) with the
-    median of every measured value over the runs, and each run's forward speed-up beside it."""
+    median of every measured value over the runs, and each run's forward speed-up beside it; and the hardware the
+    first run recorded (its thread count, not this process's)."""
     records = records_of_fresh_runs(__file__, sys.argv[1:], runs, "--write")
     rows = []
     for group in zip(*(record["rows"] for record in records)):  # each run measures the same (backend, threads, T)s
@@ -271,7 +272,7 @@ def median_of_runs(runs: int) -> list[dict]:
                 row[key] = math.nan if any(math.isnan(v) for v in values) else statistics.median(values)
         row["fwd_speedup_per_run"] = " / ".join(f"{r['fwd_speedup']:.3f}" for r in group)
         rows.append(row)
-    return rows
+    return rows, records[0]["hardware"]
 
 
 def main():
@@ -297,11 +298,14 @@ def main():
                         help="repeat the whole benchmark in this many fresh processes and report each measurement's "
                         "median (single runs on a shared machine move by several points)")
     args = parser.parse_args()
+    if args.hidden_size % args.heads:
+        parser.error(f"--hidden-size {args.hidden_size} must be divisible by --heads {args.heads}")
     if args.quick:
         args.seq_lens, args.repeats, args.backends, args.threads = [256, 512], 3, ["sdpa"], [1]
     load_before = os.getloadavg()
+    hardware = None  # this process's, unless the measuring processes were others
     if args.runs > 1:
-        rows = median_of_runs(args.runs)
+        rows, hardware = median_of_runs(args.runs)
     else:
         rows = []
         for threads in dict.fromkeys(args.threads):
@@ -336,6 +340,7 @@ def main():
                 "chiar_layout": ["dct", "routed", "routed", "attention"], "routed_operators": ["dct", "attention"]},
         seeds=[SEED],
         notes=notes,
+        extra={"hardware": hardware} if hardware else None,
     )
 
 

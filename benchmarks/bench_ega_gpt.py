@@ -317,7 +317,8 @@ def main():
     parser.add_argument("--threads", type=thread_counts, default="1,0",
                         help="comma-separated torch thread counts; 0 = torch's default (1: CPU-time ratios then hold "
                         "on a machine shared with other jobs)")
-    parser.add_argument("--cache", default="dynamic", help="cache_implementation for generation (dynamic, static)")
+    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
+                        help="cache_implementation for generation")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--compiled-gate", action="store_true",
                         help="under sdpa, also measure EGA-1 with each gate's forward under torch.compile "
@@ -326,8 +327,9 @@ def main():
                         help="under sdpa, also measure generation with a StaticCache and every model's forward under "
                         "torch.compile(fullgraph=True) (`compiled-generate_*` rows)")
     parser.add_argument("--only", default=None,
-                        help="comma-separated measurement names or prefixes to run (e.g. compiled-generate); the "
-                        "results then go to ega_gpt_<first prefix>")
+                        help="comma-separated names or prefixes of the timed measurements to run (e.g. "
+                        "compiled-generate; the kernel and peak-memory rows are left out); the results then go to "
+                        "ega_gpt_<first prefix>")
     parser.add_argument("--out", default="results/benchmarks")
     parser.add_argument("--runs", type=positive_int, default=1,
                         help="repeat the whole benchmark in this many fresh processes and report the median ratio "
@@ -361,6 +363,10 @@ def main():
                                                                kind="compiled-generate")
     if args.only:
         prefixes = tuple(args.only.split(","))
+        unmatched = [prefix for prefix in prefixes if not any(label.startswith(prefix) for label in settings)]
+        if unmatched:
+            parser.error(f"--only {','.join(unmatched)} matches no measurement of this run; the measurements: "
+                         f"{', '.join(settings)} (compiled-generate_* with --compiled-generation)")
         settings = {label: setting for label, setting in settings.items() if label.startswith(prefixes)}
     mem_setting = dict(batch=2 if quick else 8, length=1024)
     rows, verdicts = [], []

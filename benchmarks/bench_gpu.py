@@ -46,6 +46,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from training.common.presets import non_negative_int, percentage, positive_int  # noqa: E402  (argparse types)
+
 GPU_TARGET = {
     "measurement": "train", "size": "12x768", "backend": "sdpa", "model": "ega1", "target": 0.95,
     "text": "EGA-1 training >= 0.95x GPT-2 with SDPA at 12 x 768, T = 1024, bfloat16",
@@ -862,7 +864,7 @@ def read_tests_summary(path: str | None) -> list[str]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default) or cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes in float32: tests the code paths, not speed")
     parser.add_argument("--budget_s", type=float, default=None,
                         help="seconds for all measurements (default 240 on CUDA, 10 with --tiny); rounds are "
@@ -870,16 +872,17 @@ def main(argv=None):
     parser.add_argument("--backends", nargs="+", default=None,
                         help="attention backends (default: sdpa flex_attention; sdpa with --tiny)")
     parser.add_argument("--sections", nargs="+", default=["ega", "chiar"], choices=["ega", "chiar"])
-    parser.add_argument("--chiar_hidden", type=int, default=256, help="CHIAR width (default 256, the authors')")
-    parser.add_argument("--chiar_heads", type=int, default=4)
-    parser.add_argument("--attention_percent", type=float, default=25.0,
+    parser.add_argument("--chiar_hidden", type=positive_int, default=256, help="CHIAR width (default 256, the authors')")
+    parser.add_argument("--chiar_heads", type=positive_int, default=4)
+    parser.add_argument("--attention_percent", type=percentage, default=25.0,
                         help="percent of the tokens CHIAR's routed layers send to attention")
-    parser.add_argument("--max_repeats", type=int, default=None, help="rounds at most (default 20; 3 with --tiny)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 2; 1 with --tiny)")
+    parser.add_argument("--max_repeats", type=positive_int, default=None,
+                        help="rounds at most (default 20; 3 with --tiny)")
+    parser.add_argument("--warmup", type=non_negative_int, default=None, help="warm-up rounds (default 2; 1 with --tiny)")
     parser.add_argument("--min_slot_s", type=float, default=None,
                         help="a measurement whose share of the budget is below this is skipped (default 2 s on "
                         "CUDA; never with --tiny, whose run must cover every code path)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads on a CPU (default 1)")
     parser.add_argument("--min_compile_s", type=float, default=None,
                         help="budget needed to start a task on a compiled backend (flex_attention): default 60 s on "
                         "CUDA, never skipped with --tiny")
@@ -888,12 +891,16 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(ROOT, "results", "benchmarks"))
     parser.add_argument("--name", default=None, help="file name without suffix (default gpu, gpu_tiny with --tiny)")
     args = parser.parse_args(argv)
+    if args.chiar_hidden % args.chiar_heads:
+        parser.error(f"--chiar_hidden {args.chiar_hidden} must be divisible by --chiar_heads {args.chiar_heads}")
+    if args.device == "cpu" and not args.tiny:
+        parser.error("--device cpu runs the GPU sizes for hours: add --tiny (the CPU run checks the code paths)")
     args.budget_s = args.budget_s if args.budget_s is not None else (10.0 if args.tiny else 240.0)
     args.backends = args.backends or (["sdpa"] if args.tiny else ["sdpa", "flex_attention"])
     args.min_slot_s = args.min_slot_s if args.min_slot_s is not None else (float("-inf") if args.tiny else 2.0)
     args.min_compile_s = args.min_compile_s if args.min_compile_s is not None else (
         float("-inf") if args.tiny else 60.0)
-    args.max_repeats = args.max_repeats or (3 if args.tiny else 20)
+    args.max_repeats = args.max_repeats if args.max_repeats is not None else (3 if args.tiny else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
     args.name = args.name or ("gpu_tiny" if args.tiny else "gpu")
 
@@ -934,6 +941,8 @@ def main(argv=None):
     write_results(run)
     print("\n".join(target_lines(run.rows)))
     print(f"wrote {os.path.join(args.out, args.name)}.md and .json in {run.sections['total']} s", flush=True)
+    if not any(row.get("status") == "ok" for row in run.rows):  # nothing measured: the check must not look green
+        raise SystemExit("bench_gpu.py measured nothing: every row failed or was skipped (see the rows' status)")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from training.common.presets import positive_int  # noqa: E402  (the recipes' argument types)
 from benchmarks.timing import (  # noqa: E402
     folded_head_kernels,
     records_of_fresh_runs,
@@ -34,13 +35,13 @@ from benchmarks.timing import (  # noqa: E402
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads (default 1: CPU-time ratios then hold on a machine shared with other jobs)")
     parser.add_argument("--compiled-generation", action="store_true",
                         help="also measure generation with a StaticCache and both models' forward under "
                         "torch.compile(fullgraph=True) (transformers' recipe for fast generation)")
     parser.add_argument("--out", default="results/benchmarks")
-    parser.add_argument("--runs", type=int, default=1,
+    parser.add_argument("--runs", type=positive_int, default=1,
                         help="repeat the benchmark in this many fresh processes and report each ratio's median, range "
                         "and every run's value (ratios from one process move by several points in the next)")
     args = parser.parse_args(argv)

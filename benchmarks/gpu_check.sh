@@ -48,6 +48,9 @@ BENCH_ARGS=()
 if [ "${1:-}" = "--" ]; then
     shift
     BENCH_ARGS=("$@")
+elif [ "$#" -gt 0 ]; then
+    echo "usage: bash benchmarks/gpu_check.sh [-- BENCH_GPU_ARGS...]: arguments for bench_gpu.py follow --, got: $*" >&2
+    exit 2
 fi
 if [ "$CPU_MODE" = "1" ]; then NAME=gpu_tiny; else NAME=gpu; fi
 mkdir -p "$RESULTS" || exit 3

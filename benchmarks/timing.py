@@ -92,7 +92,10 @@ def records_of_fresh_runs(script: str, argv: list[str], runs: int, out_option: s
     with tempfile.TemporaryDirectory() as folder:
         for run in range(runs):
             out = os.path.join(folder, str(run))
-            subprocess.run([sys.executable, os.path.abspath(script), *options, out_option, out], check=True)
+            # `--runs 1` last: it wins over any spelling of --runs left in the options (argparse takes `--run 3`
+            # too), so that a child never starts runs of its own.
+            subprocess.run([sys.executable, os.path.abspath(script), *options, out_option, out, "--runs", "1"],
+                           check=True)
             (name,) = [f for f in os.listdir(out) if f.endswith(".json")]
             with open(os.path.join(out, name)) as file:
                 records.append(json.load(file))

@@ -180,3 +180,12 @@ def test_tests_summary_of_a_run_stopped_at_its_limit(tmp_path):
         "GPU check [160 s]: CUDA tests STOPPED at their 150 s limit",
     ]
     assert read_tests_summary(str(tmp_path / "missing.log")) == [f"(no test log at {tmp_path / 'missing.log'})"]
+
+
+def test_a_benchmark_that_measured_nothing_fails(tmp_path, capsys):
+    """A check whose every row failed or was refused must not pass as green."""
+    from benchmarks.bench_gpu import main
+
+    with pytest.raises(SystemExit, match="measured nothing"):
+        main(["--device", "cpu", "--tiny", "--sections", "chiar", "--backends", "not_a_backend",
+              "--out", str(tmp_path)])

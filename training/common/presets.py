@@ -184,12 +184,21 @@ def resolve_preset(args, presets: dict, *, heads_divide_width: bool = False) -> 
 def positive_int(text: str) -> int:
     """An argparse ``type`` for counts that must be at least 1 (``--threads``, ``--stop_after_steps``): 0 or less is
     a usage error (status 2) naming the option, not a value silently ignored or a traceback later."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse ``type`` for counts that may be 0 (warm-up rounds)."""
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+def _int_at_least(text: str, lowest: int, kind: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"must be {kind}, got {value}")
     return value
 
 
