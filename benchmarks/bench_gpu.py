@@ -872,13 +872,15 @@ def main(argv=None):
     parser.add_argument("--backends", nargs="+", default=None,
                         help="attention backends (default: sdpa flex_attention; sdpa with --tiny)")
     parser.add_argument("--sections", nargs="+", default=["ega", "chiar"], choices=["ega", "chiar"])
-    parser.add_argument("--chiar_hidden", type=positive_int, default=256, help="CHIAR width (default 256, the authors')")
+    parser.add_argument("--chiar_hidden", type=positive_int, default=256,
+                        help="CHIAR width (default 256, the authors')")
     parser.add_argument("--chiar_heads", type=positive_int, default=4)
     parser.add_argument("--attention_percent", type=percentage, default=25.0,
                         help="percent of the tokens CHIAR's routed layers send to attention")
     parser.add_argument("--max_repeats", type=positive_int, default=None,
                         help="rounds at most (default 20; 3 with --tiny)")
-    parser.add_argument("--warmup", type=non_negative_int, default=None, help="warm-up rounds (default 2; 1 with --tiny)")
+    parser.add_argument("--warmup", type=non_negative_int, default=None,
+                        help="warm-up rounds (default 2; 1 with --tiny)")
     parser.add_argument("--min_slot_s", type=float, default=None,
                         help="a measurement whose share of the budget is below this is skipped (default 2 s on "
                         "CUDA; never with --tiny, whose run must cover every code path)")
