@@ -156,6 +156,32 @@ def test_retrofit_refuses_a_destination_that_is_a_file(tiny_gpt2, tmp_path, caps
     assert (tmp_path / "afile").read_text() == "keep me"
 
 
+def test_retrofit_never_deletes_the_current_folder_or_the_source_and_leaves_nothing_on_failure(
+    tiny_gpt2, tmp_path, capsys, monkeypatch
+):
+    (tmp_path / "precious.txt").write_text("keep me")
+    monkeypatch.chdir(tmp_path)
+    for destination in (".", str(tmp_path)):  # DST is (or holds) the working folder: replacing it would delete it
+        assert retrofit_main([str(tiny_gpt2), destination, "--overwrite"]) == 2
+        assert "holds the current folder" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path.parent)
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path), "--overwrite"]) == 2  # DST holds SRC
+    assert "holds SRC" in capsys.readouterr().err
+    assert (tmp_path / "precious.txt").read_text() == "keep me" and (tiny_gpt2 / "config.json").is_file()
+    # A gated checkpoint is not gated again; a failure leaves none of the folders it created.
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "gated")]) == 0
+    assert retrofit_main([str(tmp_path / "gated"), str(tmp_path / "twice")]) == 2
+    assert "already has energy gates" in capsys.readouterr().err
+    (tiny_gpt2 / "tokenizer_config.json").write_text("{not json")
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "new" / "deeper" / "dst")]) == 2
+    assert not (tmp_path / "new").exists()
+    # Replacing an existing DST: the old folder goes only once the new one is in place.
+    (tiny_gpt2 / "tokenizer_config.json").unlink()
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "gated"), "--overwrite", "--layers", "0"]) == 0
+    assert json.loads((tmp_path / "gated" / "config.json").read_text())["energy_gates"]["layers"] == [0]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".retrofit")]
+
+
 def test_retrofit_layer_out_of_range_through_the_console_command(tiny_gpt2, tmp_path):
     result = subprocess.run([sys.executable, "-m", "hf_spectral.cli", "retrofit", str(tiny_gpt2), str(tmp_path / "dst"),
                              "--layers", "5"], capture_output=True, text=True, timeout=300)

@@ -58,6 +58,12 @@ def main(argv=None) -> int:
         return _fail(f"{args.dst} exists and is not a folder")
     if os.path.exists(args.dst) and not args.overwrite:
         return _fail(f"{args.dst} exists; pass --overwrite to replace it")
+    dst, src, cwd = (os.path.realpath(path) for path in (args.dst, args.src, os.getcwd()))
+    if os.path.exists(dst):  # replacing DST deletes what it holds: never the current folder, nor SRC below it
+        if os.path.commonpath([dst, cwd]) == dst:
+            return _fail(f"DST {args.dst} is or holds the current folder, which replacing it would delete")
+        if src != dst and os.path.commonpath([dst, src]) == dst:
+            return _fail(f"DST {args.dst} holds SRC {args.src}, which replacing it would delete")
     try:
         gate_config = EnergyGateConfig(
             normalization=args.normalization, energy_kind=args.energy_kind, projections=args.projections,
@@ -77,6 +83,9 @@ def main(argv=None) -> int:
         config = AutoConfig.from_pretrained(args.src)
     except (OSError, ValueError) as error:
         return _fail(f"cannot read {os.path.join(args.src, 'config.json')}: {error}")
+    if getattr(config, "energy_gates", None) is not None or str(config.model_type).startswith("energy_gated_"):
+        return _fail(f"{args.src} already has energy gates (config.energy_gates): retrofit the original checkpoint, "
+                     "or load this one with AutoModelForCausalLM")
     architecture = (config.architectures or [None])[0]
     model_class = getattr(transformers, architecture, None) if architecture else None
     if model_class is None:
@@ -98,9 +107,14 @@ def main(argv=None) -> int:
     # Build the copy next to DST and move it into place at the end: no half-written folder on failure. DST gets
     # the permissions of any folder the user creates (the umask's), not mkdtemp's or safetensors' private ones.
     parent = os.path.dirname(os.path.abspath(args.dst))
+    created = parent  # the outermost folder this call creates, removed again if the retrofit fails
+    while not os.path.exists(os.path.dirname(created)):
+        created = os.path.dirname(created)
+    created = None if os.path.exists(parent) else created
     os.makedirs(parent, exist_ok=True)
     staging = os.path.join(parent, f".retrofit-{uuid.uuid4().hex}")
     os.mkdir(staging)
+    done = False
     try:
         model.save_pretrained(staging)
         # Only a tokenizer SRC has: from a folder without one, AutoTokenizer may build an empty tokenizer from the
@@ -111,11 +125,18 @@ def main(argv=None) -> int:
             except (OSError, ValueError, TypeError) as error:
                 return _fail(f"cannot copy the tokenizer of {args.src}: {type(error).__name__}: {error}")
         apply_umask(staging)  # safetensors writes its files as 0600
-        if os.path.exists(args.dst):
-            shutil.rmtree(args.dst)
+        old = None
+        if os.path.exists(args.dst):  # moved aside, and deleted only once the new folder is in place
+            old = os.path.join(parent, f".retrofit-old-{uuid.uuid4().hex}")
+            os.replace(args.dst, old)
         os.replace(staging, args.dst)
+        if old is not None:
+            shutil.rmtree(old)
+        done = True
     finally:
         if os.path.exists(staging):
             shutil.rmtree(staging)
+        if not done and created is not None and os.path.isdir(created):
+            shutil.rmtree(created)
     print(f"wrote {args.dst}: {architecture} with energy gates {gate_config.to_dict()}")
     return 0
