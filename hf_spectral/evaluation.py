@@ -21,7 +21,8 @@ def _checked_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
         attention_mask = torch.ones_like(input_ids)
     elif attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
+            f"{tuple(attention_mask.shape)}"
         )
     return attention_mask, (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
