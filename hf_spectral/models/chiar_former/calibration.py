@@ -61,8 +61,33 @@ def _is_percentile(value) -> bool:
 
 
 def _percentiles(values: torch.Tensor, percentiles: Sequence[float]) -> list[float]:
+    """The percentiles of ``values``, each set in the middle of the gap between the two distinct measured values
+    around it, never on a measured value. Ties are common (in the first routed layer a token's entropy depends on
+    its id alone), and a threshold equal to a token's entropy would route every occurrence of that token by the
+    last bit of its entropy, which another kernel (a compiled graph, a GPU) can flip. Where the percentile falls on
+    a value, of the gaps just below and just above it the one whose share of values below is nearer the
+    percentile."""
+    values = values.double().flatten()
+    distinct, counts = torch.unique(values, return_counts=True)  # sorted
+    below = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).tolist()  # values below gap i (between distinct i-1, i)
+    edges = distinct.tolist()
+    spread = edges[-1] - edges[0] or 1.0
+
+    def gap_middle(i):
+        if i == 0:
+            return edges[0] - (edges[1] - edges[0] if len(edges) > 1 else spread) / 2
+        if i == len(edges):
+            return edges[-1] + (edges[-1] - edges[-2] if len(edges) > 1 else spread) / 2
+        return (edges[i - 1] + edges[i]) / 2
+
+    thresholds = []
     q = torch.tensor([p / 100.0 for p in percentiles], dtype=torch.float64)
-    return [float(v) for v in torch.quantile(values.double(), q)]
+    for p, value in zip(percentiles, torch.quantile(values, q).tolist()):
+        gap = int(torch.searchsorted(distinct, torch.tensor(value, dtype=torch.float64), right=True))
+        candidates = [gap - 1, gap] if gap > 0 and edges[gap - 1] == value else [gap]
+        best = min(candidates, key=lambda i: abs(below[i] / len(values) - p / 100))
+        thresholds.append(gap_middle(best))
+    return thresholds
 
 
 def calibrate_thresholds(
@@ -72,7 +97,8 @@ def calibrate_thresholds(
     per_layer: bool = False,
     max_batches: int | None = None,
 ) -> dict:
-    """Set the routing thresholds of ``model.config`` to percentiles of the entropies measured on ``dataloader``.
+    """Set the routing thresholds of ``model.config`` to percentiles of the entropies measured on ``dataloader``
+    (each placed between two measured values, never on one: `_percentiles`).
 
     Args:
         model: a CHIAR-Former (any head) with threshold routing.

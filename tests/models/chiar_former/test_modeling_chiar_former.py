@@ -120,6 +120,23 @@ def test_per_layer_calibration_hits_the_percentile_in_every_routed_layer():
         assert fractions[1].item() == pytest.approx(0.25, abs=1.5 / ids.numel())
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_calibrated_thresholds_never_sit_on_a_measured_entropy(per_layer):
+    # Few token ids, many repeats: in the first routed layer a token's entropy depends on its id alone, so the
+    # percentiles fall on tied values. A threshold equal to an entropy would route that token by its last bit,
+    # which a compiled graph or a GPU can flip; it is set in the gap next to it instead.
+    ids = torch.randint(2, 7, (4, 32), generator=torch.Generator().manual_seed(3))
+    model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=4, routed_operators=["dct", "rbf", "attention"]))
+    calibrate_thresholds(model, [ids], percentiles=(33.0, 67.0), per_layer=per_layer)
+    entropies = model(ids).routing_entropies
+    for layer, measured in zip(model.config.routed_layers, entropies):
+        thresholds = torch.tensor(model.config.thresholds_for(layer), dtype=measured.dtype)
+        gaps = (measured.flatten()[:, None] - thresholds[None, :]).abs()
+        assert gaps.min() > 0, (layer, thresholds)
+    first = entropies[0].flatten()
+    assert len(torch.unique(first)) <= 5  # the ties the test is about
+
+
 def test_shared_calibration_sets_tau_lo_and_tau_hi_to_pooled_percentiles():
     ids = random_ids(4, 32, seed=5)
     model = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "rbf", "attention"]))
