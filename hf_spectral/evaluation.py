@@ -7,8 +7,12 @@ models that are causal anyway), each step seeing the KV cache of the steps befor
 the result equals the ordinary forward pass (tested), so the two losses differ only by what leaked.
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
+
+from .ops.positions import token_positions
 
 
 def _checked_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -24,20 +28,20 @@ def _checked_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
             f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
             f"{tuple(attention_mask.shape)}"
         )
-    return attention_mask, (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return attention_mask, token_positions(attention_mask)
 
 
-class _EvaluationMode:
-    """The model in evaluation mode (no dropout) for the block, back in its own mode after it, also on an error."""
-
-    def __init__(self, model):
-        self.model, self.was_training = model, model.training
-
-    def __enter__(self):
-        self.model.eval()
-
-    def __exit__(self, *exc):
-        self.model.train(self.was_training)
+@contextmanager
+def evaluation_mode(model):
+    """The model in evaluation mode (no dropout) and without gradients for the block, back in its own mode after
+    it, also on an error."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()
@@ -46,7 +50,7 @@ def leak_free_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     evaluation mode, with the positions generate() gives (real tokens counted)."""
     attention_mask, positions = _checked_batch(input_ids, attention_mask)
     cache, steps = None, []
-    with _EvaluationMode(model):
+    with evaluation_mode(model):
         for t in range(input_ids.shape[1]):
             out = model(
                 input_ids=input_ids[:, t : t + 1],
@@ -78,7 +82,7 @@ def causal_lm_losses(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none")
         return float((nll * weights.flatten()).sum() / weights.sum())
 
-    with _EvaluationMode(model):
+    with evaluation_mode(model):
         ordinary = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                          use_cache=False).logits.float()
         leak_free = leak_free_logits(model, input_ids, attention_mask)

@@ -12,6 +12,16 @@ import os
 import stat
 
 
+def make_folders(path: str) -> str | None:
+    """``os.makedirs(path, exist_ok=True)``; returns the outermost folder it created (``None`` if ``path`` existed),
+    which removes again everything the call made, for a writer that fails before its output is complete."""
+    created, missing = None, os.path.abspath(path)
+    while not os.path.exists(missing):
+        created, missing = missing, os.path.dirname(missing)
+    os.makedirs(path, exist_ok=True)
+    return created
+
+
 def current_umask() -> int:
     mask = os.umask(0o022)  # reading the umask means setting it; restored at once
     os.umask(mask)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .positions import host_reads_are_free, padding_of_causal_mask
+from .precision import at_least_float32
 
 NORMALIZATIONS = ("causal", "window", "none")
 ENERGY_KINDS = ("linear", "conv", "morlet", "db2", "db4")
@@ -113,12 +114,6 @@ def window_zscore(energy: torch.Tensor, weight: torch.Tensor | None = None, eps:
     mean = (energy * weight).sum(-1, keepdim=True) / count.clamp(min=1)
     variance = ((energy - mean).square() * weight).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
     return (energy - mean) / variance.clamp(min=eps * eps).sqrt() * ((count >= 2) & (weight > 0))
-
-
-def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in float32, or float64 where it is float64: the gate's statistics never run in 16 bits, and a
-    float64 model (e.g. under ``torch.autograd.gradcheck``) keeps its precision."""
-    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
 def token_weight(valid: torch.Tensor | None) -> torch.Tensor | None:

@@ -27,6 +27,8 @@ from transformers.integrations.flex_attention import compile_friendly_flex_atten
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
+from .precision import at_least_float32
+
 try:  # flex_attention is missing from old or stripped-down torch builds
     from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # pragma: no cover - depends on the torch build
@@ -110,8 +112,7 @@ def unfold_key_bias(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of ``fold_bias_into_kv`` for folded keys/values from a cache: (key, value, bias at least
     float32)."""
-    bias = key[..., head_dim]
-    return key[..., :head_dim], value[..., :head_dim], bias.to(torch.promote_types(bias.dtype, torch.float32))
+    return key[..., :head_dim], value[..., :head_dim], at_least_float32(key[..., head_dim])
 
 
 # ----------------------------------------------------------------------------------------------------------------

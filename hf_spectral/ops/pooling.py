@@ -9,13 +9,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .positions import token_positions
+
 # The one list of pooling modes: the models' configs check `classifier_pooling` against it.
 POOLING_MODES = ("last", "mean", "learned", "rmt_optimal")
-
-
-def token_positions(mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) 0/1 mask -> index of each token among the real tokens of its row (0 at padding)."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def pool_last(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

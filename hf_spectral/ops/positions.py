@@ -9,6 +9,12 @@ it is one, and checks or shortcuts that read values on the host run only where t
 import torch
 
 
+def token_positions(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 0/1 or bool padding mask -> index of each token among the real tokens of its row (0 at padding): the
+    positions generate() gives, which left padding does not shift."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def new_positions(per_position: torch.Tensor, past_length: int | torch.Tensor, length: int) -> torch.Tensor:
     """The columns of the ``length`` new positions, ``past_length`` … ``past_length + length - 1``, of a
     (batch, ≥ past + new) tensor (a padding mask, running counts of tokens); ``past_length`` may be a 0-dim tensor,
@@ -77,4 +83,4 @@ def keep_padding_mask_for_generate(attention_mask=None, **kwargs):
 
 
 __all__ = ["host_length", "host_reads_are_free", "keep_padding_mask_for_generate", "new_positions",
-           "padding_of_causal_mask"]
+           "padding_of_causal_mask", "token_positions"]

@@ -15,12 +15,9 @@ import math
 import torch
 from torch.nn import functional as F
 
+from .precision import at_least_float32
+
 RBF_VARIANTS = ("positive", "authors")
-
-
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """Half-precision inputs are promoted for the exponentials and sums; float64 stays float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def positive_random_features(x: torch.Tensor, omega: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -28,7 +25,7 @@ def positive_random_features(x: torch.Tensor, omega: torch.Tensor, gamma: float)
     with columns ~ N(0, 2γ I) -> φ(x) (..., R), φ(x) = exp(ωᵀx − 2γ‖x‖²) / √R, so that
     E[φ(x)·φ(y)] = exp(−γ ‖x − y‖²). Positive features keep the kernel-attention normaliser Σ φ(q)·φ(k) > 0.
     Computed in float32 (the exponent is not scale-free)."""
-    x = _at_least_float32(x)
+    x = at_least_float32(x)
     exponent = x @ omega.to(x.dtype) - 2.0 * gamma * x.square().sum(-1, keepdim=True)
     return torch.exp(exponent) / math.sqrt(omega.shape[-1])
 
@@ -36,7 +33,7 @@ def positive_random_features(x: torch.Tensor, omega: torch.Tensor, gamma: float)
 def trigonometric_random_features(x: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
     """The authors' random Fourier features φ(x) = [cos(xω), sin(xω)] / √R, x (..., d), ω (d, R) -> (..., 2R),
     with E[φ(x)·φ(y)] = exp(−γ ‖x − y‖²) for ω ~ N(0, 2γ I). Not positive: usable only inside a softmax."""
-    x = _at_least_float32(x)
+    x = at_least_float32(x)
     projected = x @ omega.to(x.dtype)
     return torch.cat([projected.cos(), projected.sin()], dim=-1) / math.sqrt(omega.shape[-1])
 
@@ -44,7 +41,7 @@ def trigonometric_random_features(x: torch.Tensor, omega: torch.Tensor) -> torch
 def kernel_attention_state(phi_k: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Sum over positions of φ(k_j) [v_j, 1]ᵀ: phi_k (B, T, R), values (B, T, d) -> state (B, R, d + 1).
     The last column is the normaliser Σ φ(k_j). Zero rows of phi_k (padding) contribute nothing."""
-    augmented = _at_least_float32(values)
+    augmented = at_least_float32(values)
     augmented = torch.cat([augmented, augmented.new_ones(augmented.shape[:-1] + (1,))], -1)
     return phi_k.to(augmented.dtype).transpose(1, 2) @ augmented
 
@@ -73,7 +70,7 @@ def causal_kernel_attention(
     """
     batch, length, features = phi_k.shape
     width = values.shape[-1] + 1
-    dtype = torch.promote_types(_at_least_float32(values).dtype, phi_k.dtype)
+    dtype = torch.promote_types(at_least_float32(values).dtype, phi_k.dtype)
     state = phi_k.new_zeros(batch, features, width, dtype=dtype) if past_state is None else past_state.to(dtype)
     chunks = -(-length // chunk_size)
     padded = chunks * chunk_size - length

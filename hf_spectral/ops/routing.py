@@ -11,6 +11,8 @@ import math
 import torch
 from torch.nn import functional as F
 
+from .precision import at_least_float32
+
 ROUTER_TYPES = ("threshold", "hard", "soft")
 
 
@@ -36,7 +38,7 @@ def threshold_routes(entropy: torch.Tensor, thresholds: list[float]) -> torch.Te
 def router_probabilities(logits: torch.Tensor) -> torch.Tensor:
     """Router probabilities p = softmax(logits) over the K operators, (..., K) -> (..., K), in at least float32 (the
     hard router's argmax and the straight-through gate should not depend on the activation dtype)."""
-    return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return torch.softmax(at_least_float32(logits), dim=-1)
 
 
 def hard_routes(probabilities: torch.Tensor) -> torch.Tensor:

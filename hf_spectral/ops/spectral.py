@@ -11,12 +11,9 @@ import math
 
 import torch
 
+from .precision import at_least_float32
+
 DCT_IMPLEMENTATIONS = ("matrix", "fft")
-
-
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """Half-precision inputs are promoted for the exponentials, logs and sums; float64 stays float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,7 +126,7 @@ def spectral_entropy_from_spectrum(spectrum: torch.Tensor, dc_power_scale: float
     (their X_0 misses the 1/√2 factor); ``dc_power_scale=2`` reproduces their entropies, the default 1 is the
     orthonormal definition of SPEC 2.1.
     """
-    power = _at_least_float32(spectrum).square()
+    power = at_least_float32(spectrum).square()
     if dc_power_scale != 1.0:
         power = torch.cat([power[..., :1] * dc_power_scale, power[..., 1:]], dim=-1)
     total = power.sum(-1)

@@ -6,7 +6,7 @@ import shutil
 import sys
 import uuid
 
-from ..file_permissions import apply_umask
+from ..file_permissions import apply_umask, make_folders
 from .config import EnergyGateConfig
 
 
@@ -107,11 +107,7 @@ def main(argv=None) -> int:
     # Build the copy next to DST and move it into place at the end: no half-written folder on failure. DST gets
     # the permissions of any folder the user creates (the umask's), not mkdtemp's or safetensors' private ones.
     parent = os.path.dirname(os.path.abspath(args.dst))
-    created = parent  # the outermost folder this call creates, removed again if the retrofit fails
-    while not os.path.exists(os.path.dirname(created)):
-        created = os.path.dirname(created)
-    created = None if os.path.exists(parent) else created
-    os.makedirs(parent, exist_ok=True)
+    created = make_folders(parent)  # removed again if the retrofit fails
     staging = os.path.join(parent, f".retrofit-{uuid.uuid4().hex}")
     os.mkdir(staging)
     done = False

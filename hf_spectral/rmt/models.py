@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..evaluation import evaluation_mode
+from ..ops.positions import token_positions
 from .generative import validate_correlation_matrix
 from .pooling import (
     PoolingSNR,
@@ -106,18 +108,6 @@ def _batches(dataloader, max_batches):
 
 
 @contextmanager
-def _evaluation(model):
-    """eval mode and no_grad, restoring the training flag afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-
-
-@contextmanager
 def _unfitted_heads_allowed(model):
     """Let unfitted ``rmt_optimal`` heads run while measuring: these tools read states and attentions, not the
     head's output (and fitting needs the model's states before there are weights)."""
@@ -155,7 +145,7 @@ def _align_real_tokens(states: torch.Tensor, mask: torch.Tensor | None) -> tuple
     if mask is None:
         return states, torch.ones(batch, length, dtype=torch.bool, device=states.device)
     mask = mask.to(states.device).bool()
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    positions = token_positions(mask)
     aligned = states.new_zeros(states.shape)
     rows = torch.arange(batch, device=states.device)[:, None].expand(batch, length)
     aligned[rows[mask], positions[mask]] = states[mask]
@@ -205,7 +195,7 @@ def attention_pooling_weights(model, dataloader, *, max_batches: int | None = No
     """
     device = _device(model)
     sums, count = None, 0
-    with _evaluation(model), _eager_attention(model), _unfitted_heads_allowed(model):
+    with evaluation_mode(model), _eager_attention(model), _unfitted_heads_allowed(model):
         for batch in _batches(dataloader, max_batches):
             inputs, _ = _split_batch(batch, device)
             attentions = model(**inputs, output_attentions=True).attentions
@@ -339,7 +329,7 @@ def estimate_position_correlation(model, dataloader, *, states: str | int = "emb
     if min_count < 2:
         raise ValueError(f"min_count must be >= 2 (a variance needs two sequences), got {min_count}")
     device = _device(model)
-    with _evaluation(model), _unfitted_heads_allowed(model), _state_source(model, states) as read:
+    with evaluation_mode(model), _unfitted_heads_allowed(model), _state_source(model, states) as read:
         # pass 1: per-position sums and the state/label cross-moments
         sum_h = sum_hy = sum_y_t = counts = None
         n_sequences = 0

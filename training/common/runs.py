@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from hf_spectral.file_permissions import make_folders
+
 from .callbacks import GateTrajectoryCallback, GracefulInterruptCallback, StopAfterStepsCallback
 from .data import fixed_subset
 from .exit_codes import EXIT_INTERRUPTED  # noqa: F401  (the recipes' status after a checkpointed stop)
@@ -106,10 +108,7 @@ def prepare_recipe(args, recipe: str, preset_name: str, preset, load_data) -> tu
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         print(f"error: --output_dir {output_dir} exists and is not a folder", file=sys.stderr)
         return output_dir, None
-    created, missing = None, os.path.abspath(output_dir)  # the outermost folder this call creates
-    while not os.path.exists(missing):
-        created, missing = missing, os.path.dirname(missing)
-    os.makedirs(output_dir, exist_ok=True)
+    created = make_folders(output_dir)
 
     from accelerate import PartialState
 

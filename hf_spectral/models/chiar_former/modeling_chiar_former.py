@@ -57,7 +57,13 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_chiar_former import ChiarConfig
 from ...ops.gated_attention import flex_attention_forward
 from ...ops.pooling import SequencePooling
-from ...ops.positions import host_length, host_reads_are_free, new_positions, padding_of_causal_mask
+from ...ops.positions import (
+    host_length,
+    host_reads_are_free,
+    new_positions,
+    padding_of_causal_mask,
+    token_positions,
+)
 from ...ops.remote_code import save_pretrained_with_code
 from ...ops.random_features import (
     authors_rbf_mixing,
@@ -785,7 +791,7 @@ class ChiarModel(ChiarPreTrainedModel):
         """(B, T) positions: given ones checked, else counted over real tokens (left padding does not shift them)."""
         if position_ids is None:
             if key_valid is not None:
-                return new_positions((key_valid.long().cumsum(-1) - 1).clamp(min=0), past_length, length)
+                return new_positions(token_positions(key_valid), past_length, length)
             return (torch.arange(length, device=device) + past_length)[None].expand(batch, -1)
         if position_ids.ndim == 1:
             position_ids = position_ids[None]

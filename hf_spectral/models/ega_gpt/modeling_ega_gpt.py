@@ -46,7 +46,13 @@ from ...ops.gated_attention import (
     replace_folded_bias,
 )
 from ...ops.pooling import SequencePooling
-from ...ops.positions import host_length, host_reads_are_free, keep_padding_mask_for_generate, new_positions
+from ...ops.positions import (
+    host_length,
+    host_reads_are_free,
+    keep_padding_mask_for_generate,
+    new_positions,
+    token_positions,
+)
 from ...ops.remote_code import save_pretrained_with_code
 from .configuration_ega_gpt import EGAConfig
 
@@ -351,7 +357,7 @@ class EGAModel(EGAPreTrainedModel):
         token_mask = padding_mask(attention_mask, past_length + length)
         if position_ids is None:
             if token_mask is not None:  # count real tokens, so that left padding does not shift positions
-                position_ids = new_positions((token_mask.long().cumsum(-1) - 1).clamp(min=0), past_length, length)
+                position_ids = new_positions(token_positions(token_mask), past_length, length)
             else:
                 position_ids = (torch.arange(length, device=inputs_embeds.device) + past_length)[None]
             check_context_length(self.config, position_ids, past_length, length)
