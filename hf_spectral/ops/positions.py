@@ -50,6 +50,11 @@ def padding_of_causal_mask(mask: torch.Tensor, length: int | torch.Tensor | None
     allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # (batch, queries, keys)
     length = host_length(length)
     if length is not None:
+        if allowed.shape[-1] < length:
+            raise ValueError(
+                f"the 4D attention_mask covers {allowed.shape[-1]} keys, but the call sees {length} (cached + new "
+                "positions): give the mask a column for every key"
+            )
         allowed = allowed[..., :length]
     tokens = allowed[:, -1]
     queries = allowed.shape[-2]

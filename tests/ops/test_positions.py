@@ -50,3 +50,5 @@ def test_the_padding_of_a_causal_4d_mask_is_its_last_row_and_other_masks_are_ref
     for other in (packed, window):
         with pytest.raises(ValueError, match="must be causal plus padding"):
             padding_of_causal_mask(other, 5)
+    with pytest.raises(ValueError, match="covers 5 keys, but the call sees 7"):
+        padding_of_causal_mask(mask, 7)
