@@ -31,6 +31,8 @@ import statistics
 import sys
 from dataclasses import dataclass
 
+from .common.presets import recipe_prog
+
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
 DIGITS = tuple(str(d) for d in range(10))
@@ -293,7 +295,7 @@ def statistics_of(examples: list) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.listops_data", description=__doc__,
+    parser = argparse.ArgumentParser(prog=recipe_prog("listops_data"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="write train / validation / test TSV files")

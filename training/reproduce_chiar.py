@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .common.jobs import run_logged, stop_running
-from .common.presets import positive_int
+from .common.presets import positive_int, recipe_prog
 
 BENCHMARKS = ("wikitext", "listops", "imdb")
 WIKITEXT_ARMS = ("attention", "threshold", "hard", "3op", "threshold@all", "hard@all", "3op@all", "dct")
@@ -185,7 +185,7 @@ def aggregate(args, benchmark: str) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.reproduce_chiar", description=__doc__,
+    parser = argparse.ArgumentParser(prog=recipe_prog("reproduce_chiar"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--benchmarks", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .common.jobs import run_logged, stop_running
-from .common.presets import positive_int
+from .common.presets import positive_int, recipe_prog
 
 BENCHMARKS = ("tinyshakespeare", "ptb_char")
 MAIN_VARIANTS = ("BASE", "EGA-1:causal", "EGA-1:window")
@@ -209,7 +209,7 @@ def aggregate(args, benchmark: str) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {__package__}.reproduce_ega", description=__doc__,
+    parser = argparse.ArgumentParser(prog=recipe_prog("reproduce_ega"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--benchmarks", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     parser.add_argument("--smoke", action="store_true",

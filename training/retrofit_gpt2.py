@@ -35,7 +35,7 @@ from . import ptb_char, tinyshakespeare
 from .common.data import TextCorpus, build_lm_data, encode_text, fixed_subset, load_corpus_texts, word_tokenizer
 from .common.exit_codes import EXIT_INTERRUPTED
 from .common.lm_experiment import tau_summary
-from .common.presets import LMPreset, positive_int, world_size
+from .common.presets import LMPreset, positive_int, recipe_prog, world_size
 from .results import current_command, hardware_summary, write_results
 
 WIKITEXT2 = TextCorpus(
@@ -509,7 +509,7 @@ def write_comparison(args, preset, pretrained, summaries, unknown_rate):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog=f"python -m {__package__}.retrofit_gpt2", description=__doc__,
+    parser = argparse.ArgumentParser(prog=recipe_prog("retrofit_gpt2"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                         help="; ".join(f"{name}: {p.description}" for name, p in PRESETS.items()))

@@ -223,7 +223,7 @@ def test_training_arguments_fields_pass_through_the_command_line():
     found = parse_training_overrides(["--gradient_accumulation_steps", "2", "--optim", "adamw_torch",
                                       "--dataloader_num_workers=1"])
     assert found == {"gradient_accumulation_steps": 2, "optim": "adamw_torch", "dataloader_num_workers": 1}
-    with pytest.raises(SystemExit, match="not_a_field"):
+    with pytest.raises(ValueError, match="not_a_field"):
         parse_training_overrides(["--not_a_field", "3"])
     assert parse_training_overrides([]) == {}
 
@@ -238,6 +238,10 @@ def test_training_arguments_fields_pass_through_the_command_line():
         (["--threads", "0"], "argument --threads: must be a positive integer, got 0"),
         (["--threads", "-1"], "argument --threads: must be a positive integer, got -1"),
         (["--stop_after_steps", "0"], "argument --stop_after_steps: must be a positive integer, got 0"),
+        (["--max_steps", "0"], "--max_steps must be positive, got 0"),
+        (["--arms", "sideways"], "unknown arm 'sideways'"),
+        (["--config_overrides", "rope_theta"], "--config_overrides takes KEY=VALUE, got 'rope_theta'"),
+        (["--not_a_field", "3"], "neither a recipe option nor a TrainingArguments field: not_a_field"),
     ],
 )
 def test_bad_chiar_options_are_usage_errors(arguments, message, tmp_path, capsys):

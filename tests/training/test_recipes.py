@@ -142,14 +142,21 @@ def test_a_completed_run_is_not_trained_again(pushed_smoke_run, tiny_shakespeare
 # ------------------------------------------------------------------------------------------------------------
 
 
-def test_help_is_reachable_through_the_hf_spectral_command(capsys):
+def test_help_is_reachable_through_the_hf_spectral_command(capsys, monkeypatch):
     from hf_spectral.cli import main as cli
 
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/hf-spectral", "train", "tinyshakespeare", "--help"])
     with pytest.raises(SystemExit) as exit_info:
-        cli(["train", "tinyshakespeare", "--help"])
+        cli()
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     assert "--preset" in text and "demo" in text and "--push_to_hub" in text
+    assert text.startswith("usage: hf-spectral train tinyshakespeare "), "the usage line names the command run"
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/hf-spectral", "train", "tinyshakespeare", "--max_steps", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli()
+    assert exit_info.value.code == 2
+    assert "hf-spectral train tinyshakespeare: error: --max_steps must be positive, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -168,9 +175,13 @@ def test_help_is_reachable_through_the_hf_spectral_command(capsys):
         (["--weight_decay", "-0.1"], "--weight_decay must be a number of at least 0, got -0.1"),
     ],
 )
-def test_bad_options_are_clear_errors(arguments, message, tiny_shakespeare, tmp_path):
-    with pytest.raises(SystemExit, match=message):
+def test_bad_options_are_usage_errors(arguments, message, tiny_shakespeare, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         tinyshakespeare.main(["--smoke", "--data_path", tiny_shakespeare, "--output_dir", str(tmp_path)] + arguments)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "python -m training.tinyshakespeare: error: " in error and message in error
+    assert not any(tmp_path.iterdir()), "refused before anything is written"
 
 
 @pytest.mark.parametrize(

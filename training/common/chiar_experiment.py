@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..results import mean_std, pm
 from .exit_codes import EXIT_INTERRUPTED
-from .presets import LMPreset, add_output_arguments, percentage, positive_int, resolve_preset
+from .presets import LMPreset, add_output_arguments, percentage, positive_int, recipe_prog, resolve_preset
 
 # ------------------------------------------------------------------------------------------------------------
 # Arms
@@ -162,7 +162,7 @@ class RecipeArgumentParser(argparse.ArgumentParser):
 
 def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
     parser = RecipeArgumentParser(
-        prog=f"python -m training.{task.recipe}", description=description,
+        prog=recipe_prog(task.recipe), description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other `TrainingArguments` field can be given as --<field> <value> (e.g. --gradient_accumulation_steps "
                "2, --torch_compile true, --optim adamw_torch_fused); it is passed to the Trainer unchanged.",
@@ -238,7 +238,8 @@ def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
 
 
 def parse_training_overrides(rest: list) -> dict:
-    """``--<field> <value>`` pairs naming ``TrainingArguments`` fields, typed by ``HfArgumentParser``."""
+    """``--<field> <value>`` pairs naming ``TrainingArguments`` fields, typed by ``HfArgumentParser``; ValueError
+    for anything else."""
     if not rest:
         return {}
     from transformers import HfArgumentParser, TrainingArguments
@@ -247,20 +248,22 @@ def parse_training_overrides(rest: list) -> dict:
     names = [token[2:].split("=", 1)[0] for token in rest if token.startswith("--")]
     unknown = [name for name in names if name not in fields]
     if unknown or not names or not rest[0].startswith("--"):
-        raise SystemExit(f"error: unrecognized arguments: {' '.join(rest)} (neither a recipe option nor a "
+        raise ValueError(f"unrecognized arguments: {' '.join(rest)} (neither a recipe option nor a "
                          f"TrainingArguments field{': ' + ', '.join(unknown) if unknown else ''})")
     parsed, extra = HfArgumentParser(TrainingArguments).parse_known_args(rest)
     if extra:
-        raise SystemExit(f"error: could not parse the TrainingArguments options {' '.join(extra)}")
+        raise ValueError(f"could not parse the TrainingArguments options {' '.join(extra)}")
     return {name: getattr(parsed, name) for name in names}
 
 
 def parse_config_overrides(items: list) -> dict:
+    """``--config_overrides KEY=VALUE`` items -> {KEY: VALUE read as JSON, else as a string}; ValueError without
+    ``=``."""
     overrides = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"error: --config_overrides takes KEY=VALUE, got {item!r}")
+            raise ValueError(f"--config_overrides takes KEY=VALUE, got {item!r}")
         try:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -910,14 +913,15 @@ def run_recipe(argv, task: ChiarTask, description: str) -> int:
     requested (arm, seed), write the comparison. Returns the exit code."""
     parser = build_parser(task, description)
     args, rest = parser.parse_known_args(argv)
-    preset_name, preset = resolve_preset(args, task.presets)
+    preset_name, preset = resolve_preset(args, task.presets, parser)
     try:
         arm_labels = [parse_arm(text) for text in (args.arms or list(preset.variants))]
-    except argparse.ArgumentTypeError as error:
-        raise SystemExit(f"error: {error}") from None
+        parse_config_overrides(args.config_overrides)
+        training_overrides = parse_training_overrides(rest)
+    except (argparse.ArgumentTypeError, ValueError) as error:
+        parser.error(str(error))
     arm_labels = list(dict.fromkeys(arm_labels))
     arms = [Arm(a.family, a.layout, seed) for seed in preset.seeds for a in arm_labels]
-    training_overrides = parse_training_overrides(rest)
 
     from .runs import is_main_process, prepare_recipe
 

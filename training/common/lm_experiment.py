@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..results import current_command, hardware_summary, mean_std, pm, write_results
 from .data import LMData, fixed_subset
 from .exit_codes import EXIT_INTERRUPTED
-from .presets import LMPreset, add_output_arguments, positive_int, resolve_preset, world_size
+from .presets import LMPreset, add_output_arguments, positive_int, recipe_prog, resolve_preset, world_size
 
 NORMALIZATIONS = ("causal", "window", "none")
 
@@ -117,8 +117,7 @@ def add_training_arguments(parser, presets: dict, default_preset: str):
 
 def build_parser(recipe: str, description: str, corpus, presets: dict, default_preset: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        # training.<recipe> in a checkout, hf_spectral.recipes.<recipe> installed
-        prog=f"python -m {__package__.rpartition('.')[0]}.{recipe}", description=description,
+        prog=recipe_prog(recipe), description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--variants", nargs="+", metavar="VARIANT[:NORM]",
@@ -131,12 +130,12 @@ def build_parser(recipe: str, description: str, corpus, presets: dict, default_p
     return parser
 
 
-def run_specs(args, preset: LMPreset) -> list:
+def run_specs(args, preset: LMPreset, parser: argparse.ArgumentParser) -> list:
     texts = args.variants or list(preset.variants)
     try:
         parsed = [parse_variant(text, args.normalization) for text in texts]
     except argparse.ArgumentTypeError as error:
-        raise SystemExit(f"error: {error}") from None
+        parser.error(str(error))
     unique = list(dict.fromkeys(parsed))
     return [RunSpec(variant, normalization, seed) for variant, normalization in unique for seed in preset.seeds]
 
@@ -544,8 +543,8 @@ def run_recipe(argv, *, benchmark: Benchmark, corpus, presets: dict, default_pre
     if extra_arguments:
         extra_arguments(parser)
     args = parser.parse_args(argv)
-    preset_name, preset = resolve_preset(args, presets, heads_divide_width=True)
-    specs = run_specs(args, preset)
+    preset_name, preset = resolve_preset(args, presets, parser, heads_divide_width=True)
+    specs = run_specs(args, preset, parser)
 
     from .runs import is_main_process, prepare_recipe
 

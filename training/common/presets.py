@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 
@@ -151,11 +152,12 @@ class HubOptions:
     extra: dict = field(default_factory=dict)
 
 
-def resolve_preset(args, presets: dict, *, heads_divide_width: bool = False) -> tuple[str, LMPreset]:
+def resolve_preset(args, presets: dict, parser: argparse.ArgumentParser, *,
+                   heads_divide_width: bool = False) -> tuple[str, LMPreset]:
     """The preset ``--preset`` names (``smoke`` with ``--smoke``) with the numbers given on the command line in place
-    of its own. Exits with an error for a size or count that is not positive, a learning rate that is not a positive
-    number, a negative warm-up or weight decay, a dropout outside [0, 1) and, with ``heads_divide_width``, a width
-    that the number of heads does not divide."""
+    of its own. A size or count that is not positive, a learning rate that is not a positive number, a negative
+    warm-up or weight decay, a dropout outside [0, 1) and, with ``heads_divide_width``, a width that the number of
+    heads does not divide are usage errors (``parser.error``: status 2)."""
     name = "smoke" if args.smoke else args.preset
     preset = presets[name].replace(
         **{key: getattr(args, key, None) for key in LMPreset.__dataclass_fields__
@@ -166,19 +168,28 @@ def resolve_preset(args, presets: dict, *, heads_divide_width: bool = False) -> 
                 "max_steps", "eval_steps", "eval_batches", "save_steps", "logging_steps", "final_eval_batches",
                 "leak_free_batches"):
         if getattr(preset, key) is not None and getattr(preset, key) <= 0:
-            raise SystemExit(f"error: --{key} must be positive, got {getattr(preset, key)}")
+            parser.error(f"--{key} must be positive, got {getattr(preset, key)}")
     if not (math.isfinite(preset.learning_rate) and preset.learning_rate > 0):
-        raise SystemExit(f"error: --learning_rate must be a positive number, got {preset.learning_rate}")
+        parser.error(f"--learning_rate must be a positive number, got {preset.learning_rate}")
     for key in ("warmup_steps", "weight_decay"):
         value = getattr(preset, key)
         if not (math.isfinite(value) and value >= 0):
-            raise SystemExit(f"error: --{key} must be a number of at least 0, got {value}")
+            parser.error(f"--{key} must be a number of at least 0, got {value}")
     if heads_divide_width and preset.hidden_size % preset.num_attention_heads:
-        raise SystemExit(f"error: --hidden_size {preset.hidden_size} is not divisible by --num_attention_heads "
-                         f"{preset.num_attention_heads}")
+        parser.error(f"--hidden_size {preset.hidden_size} is not divisible by --num_attention_heads "
+                     f"{preset.num_attention_heads}")
     if not 0 <= preset.dropout < 1:
-        raise SystemExit(f"error: --dropout must be in [0, 1), got {preset.dropout}")
+        parser.error(f"--dropout must be in [0, 1), got {preset.dropout}")
     return name, preset
+
+
+def recipe_prog(recipe: str) -> str:
+    """The program name in a recipe's usage and error lines, as the user ran it: ``hf-spectral train RECIPE`` from
+    the command-line tool, else ``python -m <package>.RECIPE`` (``training`` in a checkout, ``hf_spectral.recipes``
+    installed)."""
+    if os.path.basename(sys.argv[0]) == "hf-spectral":
+        return f"hf-spectral train {recipe}"
+    return f"python -m {__package__.rpartition('.')[0]}.{recipe}"
 
 
 def positive_int(text: str) -> int:
