@@ -55,24 +55,28 @@ def _dct_twiddle(size: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 def dct_fft(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal DCT-II through one length-N complex FFT (Makhoul 1980): reorder x as [x₀, x₂, …, x₃, x₁],
-    FFT, rotate by e^{−iπk/2N} and scale. Same result as ``x @ dct_matrix(N).T`` up to rounding."""
+    FFT, rotate by e^{−iπk/2N} and scale. Same result as ``x @ dct_matrix(N).T`` up to rounding. 16-bit inputs are
+    transformed in float32 (torch's FFT takes no bfloat16, and float16 only for powers of two on CUDA)."""
     size = x.shape[-1]
     if x.numel() == 0:  # MKL's FFT rejects empty batches (e.g. no token routed to DCT mixing)
         return x.clone()
-    reordered = torch.cat([x[..., ::2], x[..., 1::2].flip(-1)], dim=-1)
+    work = at_least_float32(x)
+    reordered = torch.cat([work[..., ::2], work[..., 1::2].flip(-1)], dim=-1)
     spectrum = torch.fft.fft(reordered, dim=-1)
-    return (spectrum * _dct_twiddle(size, x.dtype, x.device)).real.to(x.dtype)
+    return (spectrum * _dct_twiddle(size, work.dtype, x.device)).real.to(x.dtype)
 
 
 def idct_fft(X: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`dct_fft` (orthonormal DCT-III) through one length-N complex inverse FFT."""
+    """Inverse of :func:`dct_fft` (orthonormal DCT-III) through one length-N complex inverse FFT (in float32 for
+    16-bit inputs)."""
     size = X.shape[-1]
     if X.numel() == 0:
         return X.clone()
-    twiddle = _dct_twiddle(size, X.dtype, X.device)
+    work = at_least_float32(X)
+    twiddle = _dct_twiddle(size, work.dtype, X.device)
     # Rebuild the Hermitian-symmetric spectrum V_k = (X_k − i X_{N−k}) / twiddle_k with X_N = 0.
-    mirrored = torch.cat([torch.zeros_like(X[..., :1]), X[..., 1:].flip(-1)], dim=-1)
-    spectrum = torch.complex(X, -mirrored) / twiddle
+    mirrored = torch.cat([torch.zeros_like(work[..., :1]), work[..., 1:].flip(-1)], dim=-1)
+    spectrum = torch.complex(work, -mirrored) / twiddle
     reordered = torch.fft.ifft(spectrum, dim=-1).real.to(X.dtype)
     x = torch.empty_like(X)
     half = (size + 1) // 2
@@ -118,8 +122,9 @@ def idct(X: torch.Tensor, implementation: str = "matrix", matrix: torch.Tensor |
 
 def spectral_entropy_from_spectrum(spectrum: torch.Tensor, dc_power_scale: float = 1.0) -> torch.Tensor:
     """Normalised spectral entropy H = −Σ_k p_k log p_k / log N, p_k = X_k² / Σ_j X_j², of DCT coefficients X
-    (..., N) -> (...). H ∈ [0, 1]: 0 when one coefficient holds all the power, 1 for a flat power spectrum;
-    a zero vector gets H = 0.
+    (..., N) -> (...), at least float32 (a 16-bit H would move the routing: bfloat16 values near the authors'
+    thresholds, 0.855 / 0.865, lie 0.004 apart). H ∈ [0, 1]: 0 when one coefficient holds all the power, 1 for a
+    flat power spectrum; a zero vector gets H = 0.
 
     ``dc_power_scale`` multiplies the k = 0 power before normalising. The authors compute the DCT with an
     unnormalised FFT construction that gives the k = 0 coefficient twice the power of the orthonormal DCT
@@ -137,7 +142,7 @@ def spectral_entropy_from_spectrum(spectrum: torch.Tensor, dc_power_scale: float
     nonzero = total > 0
     safe_total = torch.where(nonzero, total, torch.ones_like(total))
     entropy = (torch.log(safe_total) - p_log_p / safe_total) / math.log(spectrum.shape[-1])
-    return torch.where(nonzero, entropy.clamp(0.0, 1.0), torch.zeros_like(entropy)).to(spectrum.dtype)
+    return torch.where(nonzero, entropy.clamp(0.0, 1.0), torch.zeros_like(entropy))
 
 
 def spectral_entropy(

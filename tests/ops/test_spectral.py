@@ -49,6 +49,21 @@ def test_dct_implementations_agree_in_float32():
     torch.testing.assert_close(ops.idct(x, "fft"), ops.idct(x, "matrix"), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fft_dct_takes_16_bit_inputs(dtype):
+    """torch's CPU FFT refuses bfloat16 and float16: the FFT form transforms them in float32 and returns their dtype,
+    as the matrix form does."""
+    x = _random(4, 64, seed=4, dtype=torch.float32).to(dtype)
+    for transform in (ops.dct, ops.idct):
+        out = transform(x, "fft")
+        assert out.dtype == dtype
+        # the exact float32 transform of the 16-bit values, rounded once to 16 bits
+        torch.testing.assert_close(out, transform(x.float(), "matrix").to(dtype), atol=0, rtol=2 ** -7)
+    mixed = ops.dct_mixing(x, torch.full((64,), 0.5, dtype=dtype), "fft")
+    assert mixed.dtype == dtype
+    torch.testing.assert_close(mixed.float(), 0.5 * x.float(), atol=0.02, rtol=0.02)
+
+
 def test_unknown_dct_implementation_is_rejected():
     with pytest.raises(ValueError, match="unknown DCT implementation"):
         ops.dct(torch.zeros(2, 4), "wavelet")

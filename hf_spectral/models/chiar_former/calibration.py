@@ -46,7 +46,10 @@ def measure_entropies(model, dataloader: Iterable, max_batches: int | None = Non
             store.append((entropy[mask.bool()] if mask is not None else entropy.flatten()).float().cpu())
     if not collected or not collected[0]:
         raise ValueError("the dataloader yielded no batches (or the model has no routed layer)")
-    return [torch.cat(store) for store in collected]
+    entropies = [torch.cat(store) for store in collected]
+    if not entropies[0].numel():
+        raise ValueError("the dataloader's batches hold no token: every attention_mask entry is 0")
+    return entropies
 
 
 # The config fields `calibrate_thresholds` may change.
@@ -66,25 +69,21 @@ def _percentiles(values: torch.Tensor, percentiles: Sequence[float]) -> list[flo
     its id alone), and a threshold equal to a token's entropy would route every occurrence of that token by the
     last bit of its entropy, which another kernel (a compiled graph, a GPU) can flip. Where the percentile falls on
     a value, of the gaps just below and just above it the one whose share of values below is nearer the
-    percentile."""
+    percentile. Entropies lie in [0, 1], and so do the thresholds: below the smallest value the gap reaches down to
+    0, above the largest up to 1."""
     values = values.double().flatten()
     distinct, counts = torch.unique(values, return_counts=True)  # sorted
     below = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).tolist()  # values below gap i (between distinct i-1, i)
-    edges = distinct.tolist()
-    spread = edges[-1] - edges[0] or 1.0
+    edges = [0.0, *distinct.clamp(0, 1).tolist(), 1.0]  # gap i lies between edges[i] and edges[i + 1]
 
     def gap_middle(i):
-        if i == 0:
-            return edges[0] - (edges[1] - edges[0] if len(edges) > 1 else spread) / 2
-        if i == len(edges):
-            return edges[-1] + (edges[-1] - edges[-2] if len(edges) > 1 else spread) / 2
-        return (edges[i - 1] + edges[i]) / 2
+        return (edges[i] + edges[i + 1]) / 2
 
     thresholds = []
     q = torch.tensor([p / 100.0 for p in percentiles], dtype=torch.float64)
     for p, value in zip(percentiles, torch.quantile(values, q).tolist()):
         gap = int(torch.searchsorted(distinct, torch.tensor(value, dtype=torch.float64), right=True))
-        candidates = [gap - 1, gap] if gap > 0 and edges[gap - 1] == value else [gap]
+        candidates = [gap - 1, gap] if gap > 0 and distinct[gap - 1] == value else [gap]
         best = min(candidates, key=lambda i: abs(below[i] / len(values) - p / 100))
         thresholds.append(gap_middle(best))
     return thresholds
@@ -165,6 +164,7 @@ def calibrate_thresholds(
                 config.tau_lo, config.tau_hi = values
             config.layer_thresholds = None
             result = dict.fromkeys(config.routed_layers, values)
+        config._validate()
     except BaseException:
         for name, value in original.items():
             setattr(config, name, value)

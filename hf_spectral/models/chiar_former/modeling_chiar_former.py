@@ -104,7 +104,7 @@ _ROUTING_DOC = r"""
         token took (soft routing: the operator with the largest weight). Padding tokens take operator 0.
     routing_entropies (`tuple[torch.FloatTensor]`):
         One (batch, new positions) tensor per routed layer: normalised spectral entropy H ∈ [0, 1] of each token's
-        operator input.
+        operator input, at least float32 (what the router compares with its thresholds).
     routing_fractions (`tuple[torch.FloatTensor]`):
         One (num routed operators,) tensor per routed layer: fraction of the non-padding tokens routed to each operator.
     router_probabilities (`tuple[torch.FloatTensor]`, *optional*):

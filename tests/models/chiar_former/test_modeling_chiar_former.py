@@ -137,6 +137,39 @@ def test_calibrated_thresholds_never_sit_on_a_measured_entropy(per_layer):
     assert len(torch.unique(first)) <= 5  # the ties the test is about
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("percentiles", [(75.0,), (100.0,), (0.0,)])
+def test_calibrated_thresholds_stay_in_the_unit_interval(per_layer, percentiles, tmp_path):
+    # One repeated token: every first-layer entropy is the same value, with no gap on either side of it. The
+    # threshold once went half a unit past it (1.3), routed everything to DCT and made save_pretrained fail.
+    ids = torch.full((2, 16), 5)
+    model = build(ChiarForCausalLM, tiny_config())
+    result = calibrate_thresholds(model, [ids], percentiles=percentiles, per_layer=per_layer)
+    thresholds = [t for values in result["thresholds"].values() for t in values]
+    assert all(0 <= t <= 1 for t in thresholds), thresholds
+    measured = model(ids).routing_entropies[0]
+    assert (measured - thresholds[0]).abs().min() > 0, "not on the measured value"
+    model.save_pretrained(tmp_path)
+
+
+def test_calibration_on_batches_without_tokens_is_a_clear_error():
+    model = build(ChiarForCausalLM, tiny_config())
+    before = model.config.tau_mid
+    batch = {"input_ids": random_ids(2, 8), "attention_mask": torch.zeros(2, 8, dtype=torch.long)}
+    with pytest.raises(ValueError, match="hold no token: every attention_mask entry is 0"):
+        calibrate_thresholds(model, [batch])
+    assert model.config.tau_mid == before
+
+
+def test_bfloat16_routing_reads_a_float32_entropy():
+    # bfloat16 values near the authors' thresholds lie 0.004 apart: a 16-bit entropy would move tokens across them.
+    model = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "rbf", "attention"])).to(torch.bfloat16)
+    entropies = model(random_ids(2, 16, seed=9)).routing_entropies
+    assert all(entropy.dtype == torch.float32 for entropy in entropies)
+    assert len(torch.unique(torch.cat([e.flatten() for e in entropies]))) > len(
+        torch.unique(torch.cat([e.flatten() for e in entropies]).bfloat16()))
+
+
 def test_shared_calibration_sets_tau_lo_and_tau_hi_to_pooled_percentiles():
     ids = random_ids(4, 32, seed=5)
     model = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "rbf", "attention"]))
