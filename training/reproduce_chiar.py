@@ -69,8 +69,8 @@ def complete(args, benchmark: str, seed: int) -> bool:
 
 
 def execute(args, benchmark: str, seed: int) -> tuple:
-    if complete(args, benchmark, seed):
-        return benchmark, seed, 0, 0.0
+    # Started even when its runs look complete: the recipe reuses a complete run only if it was made with this
+    # command's settings, and refuses it otherwise (a skip here would report old runs under new options).
     log_path = os.path.join(args.output_dir, "logs", f"{benchmark}-seed{seed}.log")
     code, elapsed = run_logged(
         recipe_command(args, benchmark, seed), log_path, f"{benchmark} seed {seed}", str(args.threads or 1)
@@ -213,6 +213,7 @@ def main(argv=None) -> int:
             state = "done" if complete(args, benchmark, seed) else "pending"
             print(f"[{state}] {' '.join(recipe_command(args, benchmark, seed))}")
         return 0
+    failed = []
     if not args.aggregate_only:
         signal.signal(signal.SIGTERM, stop_running)
         signal.signal(signal.SIGINT, stop_running)
@@ -222,9 +223,11 @@ def main(argv=None) -> int:
         failed = [(b, s, c) for b, s, c, _ in outcomes if c not in (0, None)]
         print(f"reproduction: {len(plan)} recipe runs in {(time.time() - started) / 60:.1f} min; "
               f"{len(failed)} failed {failed or ''}", flush=True)
-    for benchmark in args.benchmarks:
-        aggregate(args, benchmark)
-    return 0
+    # A benchmark with a failed recipe run keeps its old table: its folder may still hold runs of other settings
+    # (which the recipe refused to reuse), which the table would report under this command.
+    written = [aggregate(args, benchmark) for benchmark in args.benchmarks
+               if not any(failure[0] == benchmark for failure in failed)]
+    return 0 if all(written) and not failed else 1
 
 
 if __name__ == "__main__":

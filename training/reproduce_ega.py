@@ -81,8 +81,8 @@ def summary_path(args, benchmark: str, variant: str, seed: int) -> str:
 
 
 def execute(args, benchmark, variant, seed) -> tuple:
-    if os.path.isfile(summary_path(args, benchmark, variant, seed)):
-        return benchmark, variant, seed, 0, 0.0
+    # Started even when the run looks complete: the recipe reuses a complete run only if it was made with this
+    # command's settings, and refuses it otherwise (a skip here would report an old run under new options).
     log_path = os.path.join(args.output_dir, "logs", f"{benchmark}-{run_name(variant, seed)}.log")
     threads = str(args.threads or os.environ.get("OMP_NUM_THREADS", "")) or "1"
     code, elapsed = run_logged(
@@ -256,6 +256,7 @@ def main(argv=None) -> int:
             done = "done   " if os.path.isfile(summary_path(args, benchmark, variant, seed)) else "pending"
             print(done, " ".join(recipe_command(args, benchmark, variant, seed)))
         return 0
+    failed = []
     if not args.aggregate_only:
         signal.signal(signal.SIGTERM, stop_running)
         signal.signal(signal.SIGINT, stop_running)
@@ -264,8 +265,11 @@ def main(argv=None) -> int:
             outcomes = list(pool.map(lambda run: execute(args, *run), runs))
         failed = [(b, run_name(v, s), code) for b, v, s, code, _ in outcomes if code != 0]
         print(f"all runs finished in {(time.time() - started) / 60:.1f} min; failed: {failed or 'none'}", flush=True)
-    complete = [aggregate(args, benchmark) for benchmark in args.benchmarks]
-    return 0 if all(complete) else 1
+    # A benchmark with a failed run keeps its old table: its folder may still hold a summary of that run from other
+    # settings (the recipe refused to reuse it), which the table would report under this command.
+    complete = [aggregate(args, benchmark) for benchmark in args.benchmarks
+                if not any(failure[0] == benchmark for failure in failed)]
+    return 0 if all(complete) and not failed else 1
 
 
 if __name__ == "__main__":

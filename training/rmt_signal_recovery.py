@@ -1,6 +1,6 @@
 """Reproduction of "attention as signal recovery" (SPEC section 3) with ``hf_spectral.rmt``.
 
-    python -m training.rmt_signal_recovery            # full run, writes results/rmt/ (about 15 CPU minutes)
+    python -m training.rmt_signal_recovery            # full run, writes results/rmt/ (about 20 minutes on 2 cores)
     python -m training.rmt_signal_recovery --smoke    # every step at toy sizes, under a minute, writes runs/rmt_smoke/
 
 Checks, each written as a JSON + Markdown table (``training.results.write_results``) and summarised with its

@@ -242,6 +242,8 @@ def test_training_arguments_fields_pass_through_the_command_line():
         (["--arms", "sideways"], "unknown arm 'sideways'"),
         (["--config_overrides", "rope_theta"], "--config_overrides takes KEY=VALUE, got 'rope_theta'"),
         (["--not_a_field", "3"], "neither a recipe option nor a TrainingArguments field: not_a_field"),
+        (["--eval_strategy", "no"], "--eval_strategy is set by the recipe; use --eval_steps"),
+        (["--seeds", "-1"], "--seeds must be integers in [0, 2**32 - 1], got -1"),
     ],
 )
 def test_bad_chiar_options_are_usage_errors(arguments, message, tmp_path, capsys):
@@ -250,6 +252,12 @@ def test_bad_chiar_options_are_usage_errors(arguments, message, tmp_path, capsys
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_folder_that_cannot_be_made_is_a_clear_error(capsys):
+    # /proc takes no new folder, whoever runs the test
+    assert wikitext.main(["--smoke", "--arms", "threshold", "--output_dir", "/proc/no/such"]) == 2
+    assert "error: cannot create --output_dir /proc/no/such: " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model", ["{tmp}/missing", "./no/such/model", "not-a-local-folder"])
@@ -289,6 +297,17 @@ def test_bad_chiar_configurations_are_clear_errors(arm, arguments, message):
     args, _ = build_parser(task, "").parse_known_args(["--smoke", *arguments])
     with pytest.raises(SystemExit, match=message):
         build_model(parse_arm(arm), wikitext.PRESETS["smoke"], args, task, SimpleNamespace(tokenizer=_Tokenizer()))
+
+
+def test_a_reproduction_whose_runs_fail_exits_with_an_error(tmp_path, monkeypatch, capsys):
+    from training import reproduce_chiar
+
+    started = []
+    monkeypatch.setattr(reproduce_chiar, "run_logged", lambda command, *rest: started.append(command) or (2, 0.0))
+    assert reproduce_chiar.main(["--benchmarks", "listops", "--seeds", "0", "--listops_arms", "attention",
+                                 "--output_dir", str(tmp_path / "runs"), "--results_dir", str(tmp_path / "res")]) == 1
+    assert len(started) == 1 and "1 failed" in capsys.readouterr().out
+    assert not (tmp_path / "res").exists()
 
 
 def test_reproduction_plan_and_tables_from_finished_runs(tmp_path, capsys):

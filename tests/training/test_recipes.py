@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 import hf_spectral
 from training import ptb_char, tinyshakespeare
 from training.common.lm_experiment import EXIT_INTERRUPTED
+from training.common.presets import LMPreset
 
-from .conftest import REPO_ROOT, recipe_environment, torchrun_two_cpu_processes
+from .conftest import REPO_ROOT, recipe_environment, synthetic_text, torchrun_two_cpu_processes
 
 
 
@@ -313,6 +314,26 @@ def test_stop_after_steps_leaves_a_checkpoint_to_resume(tiny_shakespeare, tmp_pa
     assert tinyshakespeare.main(arguments + ["--restart"]) == 0
     with pytest.raises(SystemExit, match="holds a run made with other settings \\(max_steps: 8 there, 9 now\\)"):
         tinyshakespeare.main(arguments[:-4] + ["--max_steps", "9", "--eval_steps", "100"])
+    # Other data of the same size, or another attention backend, is another run; a copy of the same data read from
+    # elsewhere with another thread count is the same run
+    other, copy = tmp_path / "other.txt", tmp_path / "copy.txt"
+    other.write_text(synthetic_text(60_000, seed=1), encoding="utf-8")
+    shutil.copyfile(tiny_shakespeare, copy)
+    with pytest.raises(SystemExit, match="holds a run made with other settings \\(data: "):
+        tinyshakespeare.main([*arguments[:4], str(other), *arguments[5:]])
+    with pytest.raises(SystemExit, match="\\(attn_implementation: 'sdpa' there, 'eager' now\\)"):
+        tinyshakespeare.main(arguments + ["--attn_implementation", "eager"])
+    assert tinyshakespeare.main([*arguments[:4], str(copy), *arguments[5:], "--threads", "1"]) == 0
+    assert "complete already" in capsys.readouterr().out
+    # A folder from before every option and the data were recorded (no settings_version) is checked on what its
+    # file holds: still reused with the same numbers, still refused with others
+    settings_file = tmp_path / "BASE-seed0" / "run_settings.json"
+    recorded = json.loads(settings_file.read_text())
+    settings_file.write_text(json.dumps({k: v for k, v in recorded.items() if k in LMPreset.__dataclass_fields__}))
+    assert tinyshakespeare.main(arguments + ["--attn_implementation", "eager"]) == 0
+    assert "complete already" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="\\(learning_rate: .* there, 0.01 now\\)"):
+        tinyshakespeare.main(arguments + ["--learning_rate", "1e-2"])
 
 
 def test_the_recipe_runs_under_torchrun_with_two_cpu_processes(tiny_shakespeare, tmp_path):

@@ -94,6 +94,19 @@ def test_smoke_runs_the_whole_pipeline_at_toy_size(tiny_shakespeare, tmp_path, c
     assert record["config"]["preset"] == "smoke" and record["seeds"] == [0]
     assert sorted(p.name for p in (out / "logs").iterdir()) == [
         "tinyshakespeare-BASE-seed0.log", "tinyshakespeare-EGA-1-causal-seed0.log", "tinyshakespeare-EGA-1-window-seed0.log"]
+    # Rerun, the recipes reuse their complete runs; with other options they refuse them, and so does the
+    # reproduction (it once skipped complete runs itself and reported the old runs under the new command)
+    log = out / "logs" / "tinyshakespeare-BASE-seed0.log"
+    assert reproduce_ega.main(["--smoke", "--benchmarks", "tinyshakespeare", "--output_dir", str(out),
+                               "--max_steps", "4", "--eval_steps", "2", "--save_steps", "4",
+                               "--", "--data_path", tiny_shakespeare, "--no_plots"]) == 0
+    assert "complete already" in log.read_text()
+    table = (out / "results" / "tinyshakespeare.json").read_text()
+    assert reproduce_ega.main(["--smoke", "--benchmarks", "tinyshakespeare", "--output_dir", str(out),
+                               "--max_steps", "5", "--eval_steps", "2", "--save_steps", "4",
+                               "--", "--data_path", tiny_shakespeare, "--no_plots"]) == 1
+    assert "holds a run made with other settings (max_steps: 4 there, 5 now)" in log.read_text()
+    assert (out / "results" / "tinyshakespeare.json").read_text() == table, "the old runs' table is left as it was"
 
 
 def test_smoke_refuses_another_preset():

@@ -237,9 +237,18 @@ def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+# TrainingArguments fields a recipe sets itself: its run folders, per-run seeds, the global batch split over the
+# processes, and the step-wise evaluation and checkpoints its validation curves, tables and resumption read.
+RECIPE_TRAINING_FIELDS = {
+    "output_dir": "--output_dir", "seed": "--seeds", "data_seed": "--seeds", "per_device_train_batch_size":
+    "--batch_size", "per_device_eval_batch_size": "--batch_size", "eval_strategy": "--eval_steps",
+    "save_strategy": "--save_steps",
+}
+
+
 def parse_training_overrides(rest: list) -> dict:
     """``--<field> <value>`` pairs naming ``TrainingArguments`` fields, typed by ``HfArgumentParser``; ValueError
-    for anything else."""
+    for anything else, and for the fields the recipe sets itself (``RECIPE_TRAINING_FIELDS``)."""
     if not rest:
         return {}
     from transformers import HfArgumentParser, TrainingArguments
@@ -250,6 +259,9 @@ def parse_training_overrides(rest: list) -> dict:
     if unknown or not names or not rest[0].startswith("--"):
         raise ValueError(f"unrecognized arguments: {' '.join(rest)} (neither a recipe option nor a "
                          f"TrainingArguments field{': ' + ', '.join(unknown) if unknown else ''})")
+    taken = [name for name in names if name in RECIPE_TRAINING_FIELDS]
+    if taken:
+        raise ValueError(f"--{taken[0]} is set by the recipe; use {RECIPE_TRAINING_FIELDS[taken[0]]}")
     parsed, extra = HfArgumentParser(TrainingArguments).parse_known_args(rest)
     if extra:
         raise ValueError(f"could not parse the TrainingArguments options {' '.join(extra)}")
@@ -550,15 +562,13 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
     from .data import fixed_subset
     from .presets import training_arguments
     from .runs import (
-        barrier, check_replicas_agree, hub_repo_id, is_main_process, open_run_dir, print_stopped, run_settings,
-        train_from, write_json,
+        barrier, check_replicas_agree, data_fingerprint, hub_repo_id, is_main_process, open_run_dir, print_stopped,
+        run_settings, train_from, write_json,
     )
     from .trainer import last_complete_checkpoint, remove_checkpoints
 
-    model_options = ("config_overrides", "rbf_num_features", "router_usage_entropy_weight", "calibration_percentiles",
-                     "calibration_batches", "classifier_pooling", "intermediate_size", "layer_norm_position")
-    settings = run_settings(preset, training_overrides=training_overrides,
-                            **{name: getattr(args, name, None) for name in model_options})
+    settings = run_settings(preset, args, data_fingerprint(data.tokenizer, data.datasets),
+                            training_overrides=training_overrides)
     run_dir, done = open_run_dir(output_dir, arm.name, args.restart, settings, getattr(args, "push_to_hub", False))
     if done is not None:
         return done

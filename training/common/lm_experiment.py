@@ -264,13 +264,14 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
         hub_repo_id,
         is_main_process,
         open_run_dir,
+        data_fingerprint,
         run_settings,
         train_or_resume,
         write_json,
     )
     from .trainer import remove_checkpoints
 
-    settings = run_settings(preset, char_format=getattr(args, "char_format", None))
+    settings = run_settings(preset, args, data_fingerprint(data.tokenizer, data.datasets))
     run_dir, done = open_run_dir(output_dir, spec.name, args.restart, settings, getattr(args, "push_to_hub", False))
     if done is not None:
         return done

@@ -156,8 +156,8 @@ def resolve_preset(args, presets: dict, parser: argparse.ArgumentParser, *,
                    heads_divide_width: bool = False) -> tuple[str, LMPreset]:
     """The preset ``--preset`` names (``smoke`` with ``--smoke``) with the numbers given on the command line in place
     of its own. A size or count that is not positive, a learning rate that is not a positive number, a negative
-    warm-up or weight decay, a dropout outside [0, 1) and, with ``heads_divide_width``, a width that the number of
-    heads does not divide are usage errors (``parser.error``: status 2)."""
+    warm-up or weight decay, a dropout outside [0, 1), a seed outside [0, 2³²) and, with ``heads_divide_width``, a
+    width that the number of heads does not divide are usage errors (``parser.error``: status 2)."""
     name = "smoke" if args.smoke else args.preset
     preset = presets[name].replace(
         **{key: getattr(args, key, None) for key in LMPreset.__dataclass_fields__
@@ -180,6 +180,8 @@ def resolve_preset(args, presets: dict, parser: argparse.ArgumentParser, *,
                      f"{preset.num_attention_heads}")
     if not 0 <= preset.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {preset.dropout}")
+    if any(not 0 <= seed < 2**32 for seed in preset.seeds):  # what torch, numpy and random accept
+        parser.error(f"--seeds must be integers in [0, 2**32 - 1], got {' '.join(map(str, preset.seeds))}")
     return name, preset
 
 

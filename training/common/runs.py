@@ -6,6 +6,7 @@ model next to its ``summary.json``, whose presence marks the run complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -50,14 +51,44 @@ def read_summary(run_dir: str) -> dict | None:
 
 
 RUN_SETTINGS_FILE = "run_settings.json"
+# 2: every option with an effect and the data's fingerprint. Files without a version (1) hold the preset's numbers
+# and a few options; a run folder written then is checked against what its file holds.
+RUN_SETTINGS_VERSION = 2
 # Preset fields that do not change what a run computes: reusing its folder with other values is fine.
 PRESET_FIELDS_WITHOUT_EFFECT = ("description", "variants", "seeds", "save_steps", "logging_steps")
 
 
-def run_settings(preset, **extra) -> dict:
-    """What decides a run's result, as JSON values: the preset's fields (those with an effect) and ``extra``."""
+# Command-line options that do not change what a run computes: where its data are read from (the data are recorded
+# by their fingerprint instead) and its results written, how fast it runs, what is reported or uploaded, which runs
+# an invocation makes (the run's name holds its variant or arm and seed), and the preset's own numbers (recorded as
+# resolved). Every other option of a recipe belongs to its runs' settings, so that a new option cannot be missed.
+OPTIONS_WITHOUT_EFFECT = frozenset({
+    "output_dir", "results_dir", "restart", "stop_after_steps", "keep_checkpoints", "no_plots", "push_to_hub",
+    "hub_model_id", "hub_token", "hub_private_repo", "hub_strategy", "report_to", "threads", "no_download",
+    "data_path", "dataset_name", "dataset_config", "text_column", "train_file", "validation_file", "test_file",
+    "tokenizer_name_or_path", "preset", "smoke", "seeds", "variants", "normalization", "arms", "evaluate_model",
+    "eval_test",  # scores the test split once training is done
+    *LMPreset.__dataclass_fields__,
+})
+
+
+def run_settings(preset, args=None, data: dict | None = None, **extra) -> dict:
+    """What decides a run's result, as JSON values: the preset's fields (those with an effect), the command's other
+    options (all but ``OPTIONS_WITHOUT_EFFECT``), the data's fingerprint (``data_fingerprint``) and ``extra``."""
     values = {k: v for k, v in preset.to_dict().items() if k not in PRESET_FIELDS_WITHOUT_EFFECT}
-    return json.loads(json.dumps({**values, **extra}, default=str))
+    options = {} if args is None else {k: v for k, v in sorted(vars(args).items()) if k not in OPTIONS_WITHOUT_EFFECT}
+    fingerprint = {} if data is None else {"data": data}
+    settings = {**values, **options, **fingerprint, **extra, "settings_version": RUN_SETTINGS_VERSION}
+    return json.loads(json.dumps(settings, default=str))
+
+
+def data_fingerprint(tokenizer, splits) -> dict:
+    """What identifies a run's data without their path: every split's size and content (the fingerprint ``datasets``
+    derives from a dataset's content and the transforms that made it, as for its own caching) and the tokenizer's
+    vocabulary (its size and a hash of its entries)."""
+    vocabulary = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()
+    return {"splits": {name: [len(split), split._fingerprint] for name, split in splits.items()},
+            "vocabulary": len(tokenizer), "vocabulary_sha256": hashlib.sha256(vocabulary).hexdigest()}
 
 
 def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | None = None,
@@ -76,8 +107,9 @@ def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | Non
     if settings is not None and os.path.isfile(settings_path):
         with open(settings_path, encoding="utf-8") as handle:
             recorded = json.load(handle)
+        compared = set(recorded) | set(settings) if "settings_version" in recorded else set(recorded)
         differences = [f"{key}: {recorded.get(key)!r} there, {settings.get(key)!r} now"
-                       for key in sorted(set(recorded) | set(settings)) if recorded.get(key) != settings.get(key)]
+                       for key in sorted(compared) if recorded.get(key) != settings.get(key)]
         if differences:
             raise SystemExit(
                 f"error: {run_dir} holds a run made with other settings ({'; '.join(differences)}): rerun with the "
@@ -108,7 +140,11 @@ def prepare_recipe(args, recipe: str, preset_name: str, preset, load_data) -> tu
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         print(f"error: --output_dir {output_dir} exists and is not a folder", file=sys.stderr)
         return output_dir, None
-    created = make_folders(output_dir)
+    try:
+        created = make_folders(output_dir)
+    except OSError as error:
+        print(f"error: cannot create --output_dir {output_dir}: {error}", file=sys.stderr)
+        return output_dir, None
 
     from accelerate import PartialState
 
