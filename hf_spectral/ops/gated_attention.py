@@ -79,6 +79,15 @@ def fold_bias_into_kv(
     return key, torch.cat([value, _zero_padded(aux, width - head_dim)], dim=-1)
 
 
+def stored_dtype(cache, layer_idx: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype layer ``layer_idx`` of a KV cache holds its keys and values in: that of the values already written,
+    else ``dtype`` (what this call computes). The gate state is packed in that dtype's layout (`pack_state`: two
+    16-bit channels per float32 value), so new keys and values go into a cache filled in another dtype (under
+    ``torch.autocast``, continued outside it, or the reverse) cast to the cache's dtype, as the packed state is."""
+    layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
+    return layer.values.dtype if getattr(layer, "is_initialized", False) else dtype
+
+
 def projection_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a linear projection of ``x`` returns: the autocast dtype inside autocast (for ``x``'s device), else
     ``x.dtype``. (What a gate computed before the key/value projections asks its cached state to be.)"""
@@ -207,18 +216,25 @@ def eager_attention_with_key_bias(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q·kᵀ·scaling + bias + mask) · v; returns (B, T, H, D) and the gated, renormalised probabilities."""
+    """softmax(q·kᵀ·scaling + bias + mask) · v; returns (B, T, H, D) and the gated, renormalised probabilities.
+
+    A module that asks for its scores in float32 (GPT-2's ``reorder_and_upcast_attn``, which its eager attention
+    honours) gets them: 16-bit queries and keys are multiplied in float32, outside autocast."""
     groups = _key_value_groups(module, query, key)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if getattr(module, "reorder_and_upcast_attn", False):
+        with torch.autocast(query.device.type, enabled=False):
+            scores = torch.matmul(at_least_float32(query), at_least_float32(key).transpose(2, 3)) * scaling
+    else:
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if key_bias is not None:
         bias = key_bias if groups == 1 else key_bias.repeat_interleave(groups, dim=1)
-        scores = scores + bias[:, :, None, :].to(query.dtype)
+        scores = scores + bias[:, :, None, :].to(scores.dtype)
     attention_mask = _additive_mask(module, attention_mask, query, key)
     if attention_mask is not None:
         scores = scores + attention_mask
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
-    weights = weights.to(query.dtype)
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    weights = weights.to(value.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
@@ -412,5 +428,6 @@ __all__ = [
     "pad_query_for_bias",
     "projection_dtype",
     "replace_folded_bias",
+    "stored_dtype",
     "unfold_key_bias",
 ]

@@ -33,6 +33,7 @@ from ..ops.gated_attention import (
     folded_attention,
     projection_dtype,
     replace_folded_bias,
+    stored_dtype,
 )
 
 GATED_PREFIX = "energy_gated_"
@@ -102,16 +103,17 @@ class GatedKVCache:
     returns the full folded keys/values, exactly as `EGAAttention` does in EGA-GPT.
     """
 
-    def __init__(self, cache, bias, state, head_dim):
-        self.cache, self.bias, self.state, self.head_dim = cache, bias, state, head_dim
+    def __init__(self, cache, bias, state, head_dim, dtype):
+        self.cache, self.bias, self.state, self.head_dim, self.dtype = cache, bias, state, head_dim, dtype
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        new_keys = key.shape[2]
-        key, value = fold_bias_into_kv(key, value, self.bias, self.state)
+        new_keys, computed = key.shape[2], key.dtype
+        # Into the cache in its own dtype (`stored_dtype`, that of the packed state), back in the call's dtype.
+        key, value = fold_bias_into_kv(key.to(self.dtype), value.to(self.dtype), self.bias, self.state)
         key, value = self.cache.update(key, value, layer_idx, *args, **kwargs)
         if self.bias.shape[-1] != new_keys:  # window statistics: every cached key's bias moved with the window
             key = replace_folded_bias(key, self.bias, self.head_dim)
-        return key, value
+        return key.to(computed), value.to(computed)
 
     def __getattr__(self, name):
         return getattr(self.cache, name)
@@ -143,9 +145,8 @@ class EnergyGatedAttentionMixin:
             cache, self.layer_idx, self.head_dim, self.energy_gate_token_mask, hidden_states.shape[1],
             self.energy_gate.cached_positions,
         )
-        bias, _, state = self.energy_gate(
-            hidden_states, valid, past_state, return_aux=cache is not None, aux_dtype=projection_dtype(hidden_states)
-        )
+        stored = stored_dtype(cache, self.layer_idx, projection_dtype(hidden_states))
+        bias, _, state = self.energy_gate(hidden_states, valid, past_state, return_aux=cache is not None, aux_dtype=stored)
         if self.energy_gate_heads is not None:  # ungated heads get a zero bias, i.e. their stock attention
             keep = torch.zeros(bias.shape[1], device=bias.device, dtype=bias.dtype)
             keep[self.energy_gate_heads] = 1
@@ -153,7 +154,7 @@ class EnergyGatedAttentionMixin:
         if cache is None:
             kwargs["energy_gate_bias"] = bias
         else:
-            kwargs["cache"] = GatedKVCache(cache, bias, state, self.head_dim)
+            kwargs["cache"] = GatedKVCache(cache, bias, state, self.head_dim, stored)
             kwargs["energy_gate_folded"] = True
         return super().forward(*args, **kwargs)
 

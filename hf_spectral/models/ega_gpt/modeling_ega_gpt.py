@@ -44,6 +44,7 @@ from ...ops.gated_attention import (
     folded_attention,
     implementation_for_call,
     replace_folded_bias,
+    stored_dtype,
 )
 from ...ops.pooling import SequencePooling
 from ...ops.positions import (
@@ -173,11 +174,13 @@ class EGAAttention(nn.Module):
             past_aux, valid = cached_gate_state(
                 cache, self.layer_idx, self.head_dim, token_mask, length, self.energy_gate.cached_positions
             )
-            bias, _, aux = self.energy_gate(hidden_states, valid, past_aux, return_aux=True, aux_dtype=value.dtype)
-            key, value = fold_bias_into_kv(key, value, bias, aux)
+            stored = stored_dtype(cache, self.layer_idx, value.dtype)  # another dtype under autocast: cast to it
+            bias, _, aux = self.energy_gate(hidden_states, valid, past_aux, return_aux=True, aux_dtype=stored)
+            key, value = fold_bias_into_kv(key.to(stored), value.to(stored), bias, aux)
             key, value = cache.update(key, value, self.layer_idx)
             if bias.shape[-1] != length:  # window statistics: every cached key's bias moved with the window
                 key = replace_folded_bias(key, bias, self.head_dim)
+            key, value = key.to(query.dtype), value.to(query.dtype)
             attn_output, attn_weights = folded_attention(
                 self, implementation, query, key, value, self.head_dim, attention_mask, self.scaling, dropout, **kwargs
             )
@@ -202,6 +205,9 @@ class EGABlock(GradientCheckpointingLayer):
 
 
 class EGAPreTrainedModel(PreTrainedModel):
+    """Weight initialisation, attention backends (eager, SDPA, flex_attention) and loading shared by the EGA-GPT
+    models (`EGAConfig`)."""
+
     config_class = EGAConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -316,6 +322,10 @@ def check_context_length(config, position_ids, past_length, length) -> None:
 
 
 class EGAModel(EGAPreTrainedModel):
+    """The EGA-GPT decoder without a head: a GPT-2-style stack whose attention layers (`config.gated_layers`) gate
+    every key by its energy (SPEC 1). ``forward`` takes ``output_gate_values=True`` to return the gate values of the
+    new positions, one (batch, heads, positions) tensor per gated layer (``gate_values``)."""
+
     def __init__(self, config: EGAConfig):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -378,6 +388,10 @@ class EGAModel(EGAPreTrainedModel):
 
 
 class EGAForCausalLM(EGAPreTrainedModel, GenerationMixin):
+    """EGA-GPT with a language-model head (tied to the input embeddings unless `config.tie_word_embeddings` is
+    False); generates with transformers' caches. ``forward(..., output_gate_values=True)`` also returns the gate
+    values (``gate_values``, as `EGAModel`)."""
+
     _tied_weights_keys = {"lm_head.weight": "model.wte.weight"}
     # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none).
     create_masks_for_generate = staticmethod(keep_padding_mask_for_generate)
