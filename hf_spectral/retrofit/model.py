@@ -126,6 +126,7 @@ def remove_energy_gates(model):
     del decoder._energy_gated_attentions, decoder._energy_gate_hook
     del model.config.energy_gates
     model.config.__class__ = family.config_class
+    model.config.__dict__.pop("model_type", None)  # a gated checkpoint's config.json set the gated type here
     _forget_gated_remote_code(model.config)
     if hasattr(type(model), "stock_class"):
         model.__class__ = type(model).stock_class
@@ -181,14 +182,39 @@ def _gates_description(model) -> dict:
     }
 
 
+_PEFT_GATE_COPIES = ".modules_to_save."  # PEFT's name for the trained copies of a module in ``modules_to_save``
+
+
+def _gate_tensors(model) -> dict:
+    """The gate tensors of ``model`` under the names a model without PEFT gives them. Gates that PEFT trains through
+    ``modules_to_save`` are held twice (``original_module`` and one copy per adapter): the copy of the active adapter
+    is the model's gate."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if not _is_gate_parameter(name) or ".energy_gate.original_module." in f".{name}":
+            continue
+        if _PEFT_GATE_COPIES in name:
+            wrapper, _, rest = name.partition(_PEFT_GATE_COPIES)
+            adapter, _, field = rest.partition(".")
+            active = model.get_submodule(wrapper).active_adapter
+            active = [active] if isinstance(active, str) else list(active)
+            if len(active) != 1:
+                raise ValueError(f"{wrapper} has {len(active)} active adapters; activate the one whose gates to save")
+            if adapter != active[0]:
+                continue
+            name = f"{wrapper}.{field}"
+        tensors[name] = tensor.detach().cpu().contiguous()
+    return tensors
+
+
 def save_energy_gates(model, path: str) -> str:
-    """Write only the gate parameters (a few kilobytes) to the safetensors file ``path``; return ``path``."""
+    """Write only the gate parameters (a few kilobytes) to the safetensors file ``path``; return ``path``. For a PEFT
+    model (or the model inside one) whose gates train through ``modules_to_save``, the active adapter's gates."""
     if hasattr(model, "get_base_model"):
-        raise ValueError("for a PEFT model, save the adapter (gates are saved in it through modules_to_save)")
+        model = model.get_base_model()
     if not has_energy_gates(model):
         raise ValueError("this model has no energy gates to save")
-    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()
-               if _is_gate_parameter(name)}
+    tensors = _gate_tensors(model)
     metadata = {"format": "pt", GATES_FILE_METADATA_KEY: json.dumps(_gates_description(model))}
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)

@@ -108,6 +108,25 @@ def trained_gated_adapter(tmp_path, gate_config=None, modules_to_save=("energy_g
     return base_path, tmp_path / "adapter", expected
 
 
+@pytest.mark.parametrize("inner", [False, True])
+def test_the_gates_of_a_peft_model_save_to_a_gates_file(tmp_path, inner):
+    # PEFT holds a modules_to_save gate twice (original_module, modules_to_save.default): the file once held both
+    # under names no model has, and loading it failed.
+    from hf_spectral.retrofit import load_energy_gates, save_energy_gates
+
+    model = add_energy_gates(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)), EnergyGateConfig(alpha_init=0.5, layers=[1]))
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, modules_to_save=["energy_gate"])
+    peft_model = train_steps(get_peft_model(model, lora))
+    wrapper = peft_model.base_model.model.transformer.h[1].attn.energy_gate
+    trained = wrapper.modules_to_save["default"]
+    assert not torch.equal(trained.alpha, wrapper.original_module.alpha), "the trained copy is another gate"
+    path = save_energy_gates(peft_model.get_base_model() if inner else peft_model, tmp_path / "gates.safetensors")
+    fresh = load_energy_gates(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)), path)
+    loaded = fresh.transformer.h[1].attn.energy_gate
+    for name, parameter in trained.named_parameters():
+        assert torch.equal(loaded.get_parameter(name), parameter), name
+
+
 def test_saving_a_gated_adapter_records_the_gate_config(tmp_path):
     _, adapter, _ = trained_gated_adapter(tmp_path)
     assert EnergyGateConfig.from_pretrained(adapter) == EnergyGateConfig(alpha_init=0.5, layers=[1])

@@ -323,6 +323,43 @@ def test_a_gated_model_pickles_whole_also_into_a_fresh_process(tmp_path):
     assert result.stdout.strip() == "EnergyGatedLlamaAttention"
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("prefill_under_autocast", [True, False])
+def test_a_gated_cache_continues_across_an_autocast_boundary(tmp_path, family, prefill_under_autocast):
+    # The cache keeps the dtype it was filled in (the stock models' caches promote instead): new keys, values and
+    # the packed gate state are cast to it. Mixing two state layouts had failed with a shape error.
+    path = gpt2_checkpoint(tmp_path / "g") if family == "gpt2" else llama_checkpoint(tmp_path / "l")
+    model = add_energy_gates(AutoModelForCausalLM.from_pretrained(path).eval(), EnergyGateConfig(energy_kind="conv"))
+    randomise_gates(model)
+    ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits[:, 12:]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prefill_under_autocast):
+            cache = model(ids[:, :12], use_cache=True).past_key_values
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not prefill_under_autocast):
+            continued = model(ids[:, 12:], past_key_values=cache, use_cache=True).logits
+    assert cache.layers[0].values.dtype == (torch.bfloat16 if prefill_under_autocast else torch.float32)
+    torch.testing.assert_close(continued.float(), expected, atol=0.05, rtol=0.05)  # bfloat16 arithmetic
+
+
+def test_gpt2_keeps_its_float32_scores_under_eager_attention():
+    # GPT-2's reorder_and_upcast_attn computes eager attention scores in float32. The gated eager attention once
+    # multiplied 16-bit queries and keys: with large projections float16 overflowed (NaN logits at α = 0).
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=50, n_positions=64, reorder_and_upcast_attn=True,
+                        attn_implementation="eager")
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight[:, :64] *= 1500.0  # q·k beyond float16's range
+    model = model.half()
+    ids = torch.randint(3, 50, (1, 8))
+    with torch.no_grad():
+        stock = model(ids).logits
+        gated = add_energy_gates(model)(ids).logits
+    assert stock.isfinite().all() and gated.isfinite().all()
+    torch.testing.assert_close(gated, stock)  # float16 tolerances: float32 scores from another matmul kernel
+
+
 def test_remove_energy_gates_restores_the_stock_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
     ids, mask, positions = padded_batch()
@@ -335,6 +372,10 @@ def test_remove_energy_gates_restores_the_stock_model(tmp_path):
     assert torch.equal(logits(model, ids, mask, positions), before)
     model.save_pretrained(tmp_path / "stock")
     assert json.loads((tmp_path / "stock" / "config.json").read_text())["model_type"] == "gpt2"
+    # A model loaded from a gated checkpoint: its config read the gated model type from config.json
+    add_energy_gates(model).save_pretrained(tmp_path / "gated")
+    loaded = remove_energy_gates(AutoModelForCausalLM.from_pretrained(tmp_path / "gated"))
+    assert type(loaded.config) is GPT2Config and loaded.config.model_type == "gpt2"
 
 
 def test_gates_only_file_round_trip_and_refusals(tmp_path):
