@@ -84,6 +84,9 @@ def _percentiles(values: torch.Tensor, percentiles: Sequence[float]) -> list[flo
     for p, value in zip(percentiles, torch.quantile(values, q).tolist()):
         gap = int(torch.searchsorted(distinct, torch.tensor(value, dtype=torch.float64), right=True))
         candidates = [gap - 1, gap] if gap > 0 and distinct[gap - 1] == value else [gap]
+        # The outer gaps end at 0 and 1: one has no width where a measured entropy is exactly 0 or 1 (a state with
+        # one DCT coefficient, a flat spectrum); the gap on the value's other side then takes the threshold.
+        candidates = [i for i in candidates if edges[i] < edges[i + 1]] or candidates
         best = min(candidates, key=lambda i: abs(below[i] / len(values) - p / 100))
         thresholds.append(gap_middle(best))
     return thresholds

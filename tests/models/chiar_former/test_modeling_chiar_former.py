@@ -152,6 +152,15 @@ def test_calibrated_thresholds_stay_in_the_unit_interval(per_layer, percentiles,
     model.save_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("values, percentile", [([0.0] * 6 + [0.5, 0.6], 10.0), ([0.4, 0.6, 1.0, 1.0], 100.0)])
+def test_a_threshold_next_to_an_entropy_of_0_or_1_takes_the_gap_on_its_other_side(values, percentile):
+    # A state with one DCT coefficient has H = 0 exactly, a flat spectrum H = 1: the outer gap there has no width.
+    from hf_spectral.models.chiar_former.calibration import _percentiles
+
+    (threshold,) = _percentiles(torch.tensor(values, dtype=torch.float64), [percentile])
+    assert 0 < threshold < 1 and threshold not in values
+
+
 def test_calibration_on_batches_without_tokens_is_a_clear_error():
     model = build(ChiarForCausalLM, tiny_config())
     before = model.config.tau_mid
