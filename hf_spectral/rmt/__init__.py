@@ -1,7 +1,8 @@
 """hf_spectral.rmt: random-matrix theory of attention pooling as signal recovery (SPEC section 3).
 
-NumPy/SciPy only, except the model-facing tools of ``hf_spectral.rmt.models`` (torch), which are loaded on
-first use so that ``import hf_spectral.rmt`` stays light:
+The theory and the simulations need NumPy/SciPy only; the model-facing tools of ``hf_spectral.rmt.models`` need
+torch. (Importing this subpackage imports ``hf_spectral`` first, which registers the models with transformers and
+so loads torch and transformers anyway; ``models`` is still loaded only on first use.)
 
 * ``generative``: the sampler of SPEC 3.1 (vocabulary table, position-correlation models R, pooled sequences);
 * ``pooling``: mean / harmonic-causal / optimal weights and α, κ, α/κ;

@@ -598,6 +598,9 @@ class ChiarLayer(GradientCheckpointingLayer):
 
 
 class ChiarPreTrainedModel(PreTrainedModel):
+    """Weight initialisation, attention backends (eager, SDPA, flex_attention) and loading shared by the
+    CHIAR-Former models (`ChiarConfig`)."""
+
     config_class = ChiarConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -637,6 +640,12 @@ class ChiarPreTrainedModel(PreTrainedModel):
 
 
 class ChiarModel(ChiarPreTrainedModel):
+    """The CHIAR-Former stack without a head: DCT mixing, RBF kernel attention, full attention or routed layers
+    (`config.layer_operators`), a routed layer choosing an operator per token from the spectral entropy of its state
+    (SPEC 2). Its output also holds, per routed layer, ``routing_decisions``, ``routing_entropies``,
+    ``routing_fractions`` and (learned routers) ``router_probabilities``, and ``aux_loss`` with a usage
+    regulariser."""
+
     def __init__(self, config: ChiarConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -830,6 +839,10 @@ def _routing_fields(outputs) -> dict:
 
 
 class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
+    """A causal CHIAR-Former (`config.is_causal`) with a language-model head (tied to the input embeddings unless
+    `config.tie_word_embeddings` is False); generates with transformers' caches (RBF layers keep a recurrent state). Returns the routing outputs of
+    `ChiarModel` beside the logits, and adds ``aux_loss`` to the loss."""
+
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: ChiarConfig):
