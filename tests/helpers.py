@@ -80,6 +80,20 @@ def gates_decoded_token_by_token(model, input_ids: torch.Tensor) -> tuple[torch.
     return torch.cat(gates, -1), cache
 
 
+def assert_cache_continues_across_an_autocast_boundary(model, input_ids, prefill_under_autocast: bool, split: int):
+    """A KV cache filled by the first ``split`` tokens with bfloat16 autocast on (off), continued with it off (on),
+    keeps the dtype it was filled in and gives the float32 forward's logits to bfloat16 tolerance."""
+    with torch.no_grad():
+        expected = model(input_ids).logits[:, split:]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prefill_under_autocast):
+            cache = model(input_ids[:, :split], use_cache=True).cache
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not prefill_under_autocast):
+            continued = model(input_ids[:, split:], cache=cache, use_cache=True).logits
+    assert cache.layers[0].values.dtype == (torch.bfloat16 if prefill_under_autocast else torch.float32)
+    assert cache.get_seq_length() == input_ids.shape[1]
+    torch.testing.assert_close(continued.float(), expected, atol=0.05, rtol=0.05)  # bfloat16 arithmetic
+
+
 # torch 2.13's Inductor sizes its C++ vector loops for the CPU it runs on but builds them against ATen's vector types
 # for the forced capability: with ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine its flex_attention kernel loops over
 # 16 lanes of 8-lane vectors (index checks fail, values go wrong; the same BlockMask and inputs are fine at the native

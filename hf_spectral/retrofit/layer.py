@@ -146,7 +146,9 @@ class EnergyGatedAttentionMixin:
             self.energy_gate.cached_positions,
         )
         stored = stored_dtype(cache, self.layer_idx, projection_dtype(hidden_states))
-        bias, _, state = self.energy_gate(hidden_states, valid, past_state, return_aux=cache is not None, aux_dtype=stored)
+        bias, _, state = self.energy_gate(
+            hidden_states, valid, past_state, return_aux=cache is not None, aux_dtype=stored
+        )
         if self.energy_gate_heads is not None:  # ungated heads get a zero bias, i.e. their stock attention
             keep = torch.zeros(bias.shape[1], device=bias.device, dtype=bias.dtype)
             keep[self.energy_gate_heads] = 1

@@ -51,9 +51,13 @@ def chiar_model():
                                         layer_operators=["routed", "attention"], routed_operators=["dct", "rbf", "attention"]))
 
 
+def tiny_gpt2():
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64))
+
+
 def gpt2_checkpoint(path):
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)).save_pretrained(path)
+    tiny_gpt2().save_pretrained(path)
     return path
 
 
@@ -114,14 +118,14 @@ def test_the_gates_of_a_peft_model_save_to_a_gates_file(tmp_path, inner):
     # under names no model has, and loading it failed.
     from hf_spectral.retrofit import load_energy_gates, save_energy_gates
 
-    model = add_energy_gates(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)), EnergyGateConfig(alpha_init=0.5, layers=[1]))
+    model = add_energy_gates(tiny_gpt2(), EnergyGateConfig(alpha_init=0.5, layers=[1]))
     lora = LoraConfig(task_type="CAUSAL_LM", r=4, modules_to_save=["energy_gate"])
     peft_model = train_steps(get_peft_model(model, lora))
     wrapper = peft_model.base_model.model.transformer.h[1].attn.energy_gate
     trained = wrapper.modules_to_save["default"]
     assert not torch.equal(trained.alpha, wrapper.original_module.alpha), "the trained copy is another gate"
     path = save_energy_gates(peft_model.get_base_model() if inner else peft_model, tmp_path / "gates.safetensors")
-    fresh = load_energy_gates(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)), path)
+    fresh = load_energy_gates(tiny_gpt2(), path)
     loaded = fresh.transformer.h[1].attn.energy_gate
     for name, parameter in trained.named_parameters():
         assert torch.equal(loaded.get_parameter(name), parameter), name

@@ -39,6 +39,7 @@ from hf_spectral.retrofit import (
 from tests.helpers import (
     INDUCTOR_ISA_FORCED,
     INDUCTOR_SKIP_REASON,
+    assert_cache_continues_across_an_autocast_boundary,
     assert_fullgraph_static_generation_matches_eager,
     load_without_plugin,
     perturb_after,
@@ -332,14 +333,7 @@ def test_a_gated_cache_continues_across_an_autocast_boundary(tmp_path, family, p
     model = add_energy_gates(AutoModelForCausalLM.from_pretrained(path).eval(), EnergyGateConfig(energy_kind="conv"))
     randomise_gates(model)
     ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = model(ids).logits[:, 12:]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prefill_under_autocast):
-            cache = model(ids[:, :12], use_cache=True).past_key_values
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not prefill_under_autocast):
-            continued = model(ids[:, 12:], past_key_values=cache, use_cache=True).logits
-    assert cache.layers[0].values.dtype == (torch.bfloat16 if prefill_under_autocast else torch.float32)
-    torch.testing.assert_close(continued.float(), expected, atol=0.05, rtol=0.05)  # bfloat16 arithmetic
+    assert_cache_continues_across_an_autocast_boundary(model, ids, prefill_under_autocast, split=12)
 
 
 def test_gpt2_keeps_its_float32_scores_under_eager_attention():

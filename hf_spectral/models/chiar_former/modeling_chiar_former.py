@@ -840,8 +840,8 @@ def _routing_fields(outputs) -> dict:
 
 class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
     """A causal CHIAR-Former (`config.is_causal`) with a language-model head (tied to the input embeddings unless
-    `config.tie_word_embeddings` is False); generates with transformers' caches (RBF layers keep a recurrent state). Returns the routing outputs of
-    `ChiarModel` beside the logits, and adds ``aux_loss`` to the loss."""
+    `config.tie_word_embeddings` is False); generates with transformers' caches (RBF layers keep a recurrent
+    state). Returns the routing outputs of `ChiarModel` beside the logits, and adds ``aux_loss`` to the loss."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 

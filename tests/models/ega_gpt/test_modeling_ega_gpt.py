@@ -6,6 +6,7 @@ from hf_spectral.evaluation import causal_lm_losses, leak_free_logits
 from tests.helpers import (
     INDUCTOR_ISA_FORCED,
     INDUCTOR_SKIP_REASON,
+    assert_cache_continues_across_an_autocast_boundary,
     gates_decoded_token_by_token,
     load_without_plugin,
     perturb_after,
@@ -656,17 +657,9 @@ def test_cached_decoding_under_bfloat16_autocast_keeps_float32_statistics(varian
 def test_a_cache_continues_across_an_autocast_boundary(prefill_under_autocast, normalization):
     """A cache filled under bfloat16 autocast and continued outside it (or the reverse) keeps its dtype: the new keys,
     values and packed gate state are cast to it (once a shape error from mixing two state layouts)."""
-    model = tiny_model("EGA-1", energy_normalization=normalization)
     ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = model(ids).logits[:, 12:]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prefill_under_autocast):
-            cache = model(ids[:, :12], use_cache=True).cache
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not prefill_under_autocast):
-            continued = model(ids[:, 12:], cache=cache, use_cache=True).logits
-    assert cache.layers[0].values.dtype == (torch.bfloat16 if prefill_under_autocast else torch.float32)
-    assert cache.get_seq_length() == 20
-    torch.testing.assert_close(continued.float(), expected, atol=0.05, rtol=0.05)  # bfloat16 arithmetic
+    model = tiny_model("EGA-1", energy_normalization=normalization)
+    assert_cache_continues_across_an_autocast_boundary(model, ids, prefill_under_autocast, split=12)
 
 
 def test_a_cache_filled_outside_the_model_is_refused_by_name():
