@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .positions import host_reads_are_free, padding_of_causal_mask
-from .precision import at_least_float32
+from .precision import as_dtype, at_least_float32
 
 NORMALIZATIONS = ("causal", "window", "none")
 ENERGY_KINDS = ("linear", "conv", "morlet", "db2", "db4")
@@ -161,16 +161,16 @@ def log_gate_bias(
         gate: (B, H, T) the gate values g_j ∈ (0, 1).
     """
     if z.shape[-2] == 1:  # one scale: the mixture is the gate itself, and α = 0 gives logsigmoid(±0) twice: bias 0
-        alpha, tau = alpha.to(z.dtype), tau.to(z.dtype)  # (H, 1), broadcasting against (B, H, T)
+        alpha, tau = as_dtype(alpha, z.dtype), as_dtype(tau, z.dtype)  # (H, 1), broadcasting against (B, H, T)
         log_gate = F.logsigmoid(alpha * (z[:, :, 0] - tau))
         bias = log_gate - F.logsigmoid(alpha * -tau)
         if torch.is_grad_enabled() and mix_logits.requires_grad:
             # log_softmax of one logit is exactly 0 (x − x): the bias keeps its bits, and the mixing logit stays in
             # the graph with its zero gradient, which DistributedDataParallel (find_unused_parameters=False) needs.
-            bias = bias + torch.log_softmax(mix_logits.to(z.dtype), dim=-1)
+            bias = bias + torch.log_softmax(as_dtype(mix_logits, z.dtype), dim=-1)
         return bias, log_gate.exp()
-    alpha, tau = alpha.to(z.dtype)[..., None], tau.to(z.dtype)[..., None]  # (H, S, 1)
-    log_mix = torch.log_softmax(mix_logits.to(z.dtype), dim=-1)[..., None]
+    alpha, tau = as_dtype(alpha, z.dtype)[..., None], as_dtype(tau, z.dtype)[..., None]  # (H, S, 1)
+    log_mix = torch.log_softmax(as_dtype(mix_logits, z.dtype), dim=-1)[..., None]
     log_gate = torch.logsumexp(log_mix + F.logsigmoid(alpha * (z - tau)), dim=-2)  # (B, H, T)
     log_gate_at_mean = torch.logsumexp(log_mix + F.logsigmoid(alpha * -tau), dim=-2)  # (H, 1)
     bias = log_gate - log_gate_at_mean
@@ -194,7 +194,7 @@ def pack_state(state: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Caches only copy, reorder and slice what they hold, which keeps the bits. (A float64 cache keeps float64.)"""
     if dtype.itemsize < 4:
         return state.float().contiguous().view(dtype)
-    return state.to(dtype)
+    return as_dtype(state, dtype)
 
 
 def unpack_state(channels: torch.Tensor) -> torch.Tensor:
@@ -572,7 +572,7 @@ class EnergyGate(nn.Module):
             parts = [] if state is None else [pack_state(state.transpose(2, 3), aux_dtype)]
             features = self.energy.features(x)
             if features is not None:
-                parts.append(features.to(aux_dtype))
+                parts.append(as_dtype(features, aux_dtype))
             aux = torch.cat(parts, -1) if len(parts) > 1 else parts[0] if parts else None
         return bias, gate, aux
 

@@ -27,7 +27,7 @@ from transformers.integrations.flex_attention import compile_friendly_flex_atten
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from .precision import at_least_float32
+from .precision import as_dtype, at_least_float32
 
 try:  # flex_attention is missing from old or stripped-down torch builds
     from torch.nn.attention.flex_attention import BlockMask
@@ -73,7 +73,7 @@ def fold_bias_into_kv(
     width = width or folded_head_size(head_dim, extra, key.device)
     if bias.shape[-1] != key.shape[-2]:
         bias = bias[..., -key.shape[-2] :]
-    key = torch.cat([key, _zero_padded(bias.to(key.dtype).unsqueeze(-1), width - head_dim)], dim=-1)
+    key = torch.cat([key, _zero_padded(as_dtype(bias, key.dtype).unsqueeze(-1), width - head_dim)], dim=-1)
     if aux is None:
         return key, _zero_padded(value, width)
     return key, torch.cat([value, _zero_padded(aux, width - head_dim)], dim=-1)
@@ -110,7 +110,7 @@ def pad_query_for_bias(query: torch.Tensor, width: int, scaling: float) -> torch
 def replace_folded_bias(key: torch.Tensor, bias: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Folded keys (B, Hk, T_cache, W) with the bias channel of the first ``bias.shape[-1]`` keys replaced by
     ``bias`` (B, Hk, T); out of place. (A ``StaticCache`` holds more keys than it has filled.)"""
-    bias = bias.to(key.dtype)
+    bias = as_dtype(bias, key.dtype)
     if bias.shape[-1] < key.shape[-2]:
         bias = torch.cat([bias, key[..., bias.shape[-1] :, head_dim]], dim=-1)
     return torch.cat([key[..., :head_dim], bias[..., None], key[..., head_dim + 1 :]], dim=-1)
@@ -229,12 +229,12 @@ def eager_attention_with_key_bias(
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if key_bias is not None:
         bias = key_bias if groups == 1 else key_bias.repeat_interleave(groups, dim=1)
-        scores = scores + bias[:, :, None, :].to(scores.dtype)
+        scores = scores + as_dtype(bias[:, :, None, :], scores.dtype)
     attention_mask = _additive_mask(module, attention_mask, query, key)
     if attention_mask is not None:
         scores = scores + attention_mask
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    weights = weights.to(value.dtype)
+    weights = as_dtype(weights, value.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
@@ -290,7 +290,7 @@ def flex_attention_with_key_bias(
         block_mask = create_block_mask(causal, None, None, q_length, kv_length, device=query.device)
     score_mask = None if block_mask is not None or attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
     groups = _key_value_groups(module, query, key)
-    bias = None if key_bias is None else key_bias.to(query.dtype).contiguous()  # the CPU template reads it flat
+    bias = None if key_bias is None else as_dtype(key_bias, query.dtype).contiguous()  # the CPU template reads it flat
 
     def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
         if bias is not None:

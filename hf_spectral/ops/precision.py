@@ -3,10 +3,19 @@
 import torch
 
 
+def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, without the call where ``tensor`` has that dtype already: a cast that changes nothing
+    still costs a dispatch (about a microsecond on CPU), and a cached decoding step makes many of them on tensors of
+    a few hundred values."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in float32, or float64 where it is float64: no statistic runs in 16 bits, and a float64 model
     (e.g. under ``torch.autograd.gradcheck``) keeps its precision."""
+    if tensor.dtype in (torch.float32, torch.float64):
+        return tensor
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
-__all__ = ["at_least_float32"]
+__all__ = ["as_dtype", "at_least_float32"]

@@ -35,6 +35,7 @@ from ..ops.gated_attention import (
     replace_folded_bias,
     stored_dtype,
 )
+from ..ops.precision import as_dtype
 
 GATED_PREFIX = "energy_gated_"
 
@@ -109,11 +110,11 @@ class GatedKVCache:
     def update(self, key, value, layer_idx, *args, **kwargs):
         new_keys, computed = key.shape[2], key.dtype
         # Into the cache in its own dtype (`stored_dtype`, that of the packed state), back in the call's dtype.
-        key, value = fold_bias_into_kv(key.to(self.dtype), value.to(self.dtype), self.bias, self.state)
+        key, value = fold_bias_into_kv(as_dtype(key, self.dtype), as_dtype(value, self.dtype), self.bias, self.state)
         key, value = self.cache.update(key, value, layer_idx, *args, **kwargs)
         if self.bias.shape[-1] != new_keys:  # window statistics: every cached key's bias moved with the window
             key = replace_folded_bias(key, self.bias, self.head_dim)
-        return key.to(computed), value.to(computed)
+        return as_dtype(key, computed), as_dtype(value, computed)
 
     def __getattr__(self, name):
         return getattr(self.cache, name)

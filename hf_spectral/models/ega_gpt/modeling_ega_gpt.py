@@ -54,6 +54,7 @@ from ...ops.positions import (
     new_positions,
     token_positions,
 )
+from ...ops.precision import as_dtype
 from ...ops.remote_code import save_pretrained_with_code
 from .configuration_ega_gpt import EGAConfig
 
@@ -176,11 +177,11 @@ class EGAAttention(nn.Module):
             )
             stored = stored_dtype(cache, self.layer_idx, value.dtype)  # another dtype under autocast: cast to it
             bias, _, aux = self.energy_gate(hidden_states, valid, past_aux, return_aux=True, aux_dtype=stored)
-            key, value = fold_bias_into_kv(key.to(stored), value.to(stored), bias, aux)
+            key, value = fold_bias_into_kv(as_dtype(key, stored), as_dtype(value, stored), bias, aux)
             key, value = cache.update(key, value, self.layer_idx)
             if bias.shape[-1] != length:  # window statistics: every cached key's bias moved with the window
                 key = replace_folded_bias(key, bias, self.head_dim)
-            key, value = key.to(query.dtype), value.to(query.dtype)
+            key, value = as_dtype(key, query.dtype), as_dtype(value, query.dtype)
             attn_output, attn_weights = folded_attention(
                 self, implementation, query, key, value, self.head_dim, attention_mask, self.scaling, dropout, **kwargs
             )
