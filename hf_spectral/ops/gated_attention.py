@@ -79,13 +79,31 @@ def fold_bias_into_kv(
     return key, torch.cat([value, _zero_padded(aux, width - head_dim)], dim=-1)
 
 
+def _cache_layer(cache, layer_idx: int):
+    """Layer ``layer_idx`` of a KV cache, or ``None`` (no cache, or a layer it has not created yet)."""
+    return cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
+
+
 def stored_dtype(cache, layer_idx: int, dtype: torch.dtype) -> torch.dtype:
     """The dtype layer ``layer_idx`` of a KV cache holds its keys and values in: that of the values already written,
     else ``dtype`` (what this call computes). The gate state is packed in that dtype's layout (`pack_state`: two
     16-bit channels per float32 value), so new keys and values go into a cache filled in another dtype (under
     ``torch.autocast``, continued outside it, or the reverse) cast to the cache's dtype, as the packed state is."""
-    layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
+    layer = _cache_layer(cache, layer_idx)
     return layer.values.dtype if getattr(layer, "is_initialized", False) else dtype
+
+
+def write_folded_kv(cache, layer_idx, key, value, bias, aux, head_dim: int, stored: torch.dtype, *args, **kwargs):
+    """Fold ``bias`` and the gate state ``aux`` into the new keys/values, write them into ``cache`` in its dtype
+    ``stored`` (`stored_dtype`) and return every cached key/value, folded, in the dtype of ``key`` (the call's).
+    With window statistics (a ``bias`` over every cached key) the cached keys' bias channel is replaced too.
+    ``args`` / ``kwargs`` go to ``cache.update``."""
+    new_keys, computed = key.shape[-2], key.dtype
+    key, value = fold_bias_into_kv(as_dtype(key, stored), as_dtype(value, stored), bias, aux)
+    key, value = cache.update(key, value, layer_idx, *args, **kwargs)
+    if bias.shape[-1] != new_keys:  # window statistics: every cached key's bias moved with the window
+        key = replace_folded_bias(key, bias, head_dim)
+    return as_dtype(key, computed), as_dtype(value, computed)
 
 
 def projection_dtype(x: torch.Tensor) -> torch.dtype:
@@ -172,7 +190,7 @@ def cached_gate_state(
     for the filters, not a token (``valid`` is then always given, so that the gate's statistics treat a count of 0 as
     no past). ``positions=None`` (every key: window statistics) reads the length on the host.
     """
-    layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
+    layer = _cache_layer(cache, layer_idx)
     if getattr(layer, "is_initialized", False) and layer.keys.shape[-1] <= head_dim:
         raise ValueError(
             f"layer {layer_idx}'s KV cache holds keys of {layer.keys.shape[-1]} channels without the energy gate's "
@@ -430,4 +448,5 @@ __all__ = [
     "replace_folded_bias",
     "stored_dtype",
     "unfold_key_bias",
+    "write_folded_kv",
 ]

@@ -29,13 +29,11 @@ from ..ops.energy_gate import padding_mask
 from ..ops.gated_attention import (
     attention_with_key_bias,
     cached_gate_state,
-    fold_bias_into_kv,
     folded_attention,
     projection_dtype,
-    replace_folded_bias,
     stored_dtype,
+    write_folded_kv,
 )
-from ..ops.precision import as_dtype
 
 GATED_PREFIX = "energy_gated_"
 
@@ -108,13 +106,9 @@ class GatedKVCache:
         self.cache, self.bias, self.state, self.head_dim, self.dtype = cache, bias, state, head_dim, dtype
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        new_keys, computed = key.shape[2], key.dtype
-        # Into the cache in its own dtype (`stored_dtype`, that of the packed state), back in the call's dtype.
-        key, value = fold_bias_into_kv(as_dtype(key, self.dtype), as_dtype(value, self.dtype), self.bias, self.state)
-        key, value = self.cache.update(key, value, layer_idx, *args, **kwargs)
-        if self.bias.shape[-1] != new_keys:  # window statistics: every cached key's bias moved with the window
-            key = replace_folded_bias(key, self.bias, self.head_dim)
-        return as_dtype(key, computed), as_dtype(value, computed)
+        return write_folded_kv(
+            self.cache, layer_idx, key, value, self.bias, self.state, self.head_dim, self.dtype, *args, **kwargs
+        )
 
     def __getattr__(self, name):
         return getattr(self.cache, name)

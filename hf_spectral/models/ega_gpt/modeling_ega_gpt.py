@@ -40,11 +40,10 @@ from ...ops.gated_attention import (
     cached_gate_state,
     eager_attention_with_key_bias,
     flex_attention_forward,
-    fold_bias_into_kv,
     folded_attention,
     implementation_for_call,
-    replace_folded_bias,
     stored_dtype,
+    write_folded_kv,
 )
 from ...ops.pooling import SequencePooling
 from ...ops.positions import (
@@ -54,7 +53,6 @@ from ...ops.positions import (
     new_positions,
     token_positions,
 )
-from ...ops.precision import as_dtype
 from ...ops.remote_code import save_pretrained_with_code
 from .configuration_ega_gpt import EGAConfig
 
@@ -177,11 +175,7 @@ class EGAAttention(nn.Module):
             )
             stored = stored_dtype(cache, self.layer_idx, value.dtype)  # another dtype under autocast: cast to it
             bias, _, aux = self.energy_gate(hidden_states, valid, past_aux, return_aux=True, aux_dtype=stored)
-            key, value = fold_bias_into_kv(as_dtype(key, stored), as_dtype(value, stored), bias, aux)
-            key, value = cache.update(key, value, self.layer_idx)
-            if bias.shape[-1] != length:  # window statistics: every cached key's bias moved with the window
-                key = replace_folded_bias(key, bias, self.head_dim)
-            key, value = as_dtype(key, query.dtype), as_dtype(value, query.dtype)
+            key, value = write_folded_kv(cache, self.layer_idx, key, value, bias, aux, self.head_dim, stored)
             attn_output, attn_weights = folded_attention(
                 self, implementation, query, key, value, self.head_dim, attention_mask, self.scaling, dropout, **kwargs
             )
