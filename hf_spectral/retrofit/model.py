@@ -50,8 +50,16 @@ def register_energy_gated_models() -> None:
             register_model(config_class, auto_name, gated_model_class(stock_class))
 
 
+def _is_gated_attention(module) -> bool:
+    # Also by name: a checkpoint loaded with trust_remote_code before `import hf_spectral` runs its folder's copy of
+    # modeling_energy_gated.py, whose mixin is another class object with the same code.
+    return isinstance(module, EnergyGatedAttentionMixin) or any(
+        cls.__name__ == EnergyGatedAttentionMixin.__name__ for cls in type(module).__mro__
+    )
+
+
 def gated_attention_modules(model) -> list:
-    return [module for module in model.modules() if isinstance(module, EnergyGatedAttentionMixin)]
+    return [module for module in model.modules() if _is_gated_attention(module)]
 
 
 def has_energy_gates(model) -> bool:

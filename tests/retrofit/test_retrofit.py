@@ -2,6 +2,7 @@
 downloaded here)."""
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -370,6 +371,48 @@ def test_remove_energy_gates_restores_the_stock_model(tmp_path):
     add_energy_gates(model).save_pretrained(tmp_path / "gated")
     loaded = remove_energy_gates(AutoModelForCausalLM.from_pretrained(tmp_path / "gated"))
     assert type(loaded.config) is GPT2Config and loaded.config.model_type == "gpt2"
+
+
+def test_a_gated_model_loaded_as_remote_code_before_the_plugin_keeps_its_gates(tmp_path):
+    """Loaded with trust_remote_code before `import hf_spectral`, a retrofitted model runs its folder's copy of the
+    gated classes. The retrofit functions imported afterwards must still see its gates: they had reported none, and
+    add_energy_gates replaced the trained gates with fresh ones."""
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        stock = model(ids).logits
+        randomise_gates(add_energy_gates(model))
+        gated = model(ids).logits
+    model.save_pretrained(tmp_path / "gated")
+    save_energy_gates(model, tmp_path / "expected.safetensors")
+    torch.save({"ids": ids, "stock": stock, "gated": gated}, tmp_path / "inputs.pt")
+    script = (
+        "import sys, torch, transformers\n"
+        "from safetensors.torch import load_file\n"
+        "folder, inputs = sys.argv[1], torch.load(sys.argv[2])\n"
+        "model = transformers.AutoModelForCausalLM.from_pretrained(folder + '/gated', trust_remote_code=True)\n"
+        "assert type(model).__module__.startswith('transformers_modules'), type(model).__module__\n"
+        "from hf_spectral.retrofit import (add_energy_gates, has_energy_gates, remove_energy_gates,\n"
+        "                                  save_energy_gates)\n"
+        "assert has_energy_gates(model.eval())\n"
+        "saved, expected = load_file(save_energy_gates(model, folder + '/late.safetensors')), "
+        "load_file(folder + '/expected.safetensors')\n"
+        "assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)\n"
+        "try:\n"
+        "    add_energy_gates(model)\n"
+        "    raise SystemExit('add_energy_gates accepted a gated model')\n"
+        "except ValueError as error:\n"
+        "    assert 'already has energy gates' in str(error), error\n"
+        "with torch.no_grad():\n"
+        "    assert torch.equal(model(inputs['ids']).logits, inputs['gated'])\n"
+        "    assert torch.equal(remove_energy_gates(model)(inputs['ids']).logits, inputs['stock'])\n"
+        "print(type(model).__name__, type(model.transformer.h[0].attn).__name__)\n"
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(tmp_path / "inputs.pt")],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["GPT2LMHeadModel", "GPT2Attention"]
 
 
 def test_gates_only_file_round_trip_and_refusals(tmp_path):
