@@ -80,7 +80,7 @@ def test_recipe_help_parses_before_importing_torch_transformers_or_datasets(reci
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "usage:" in result.stdout
+    assert result.stdout.startswith(f"usage: python -m training.{recipe} "), "the usage line names the command run"
     assert result.stdout.strip().splitlines()[-1] == "LOADED []"
 
 
@@ -147,6 +147,27 @@ def test_retrofit_copies_a_tokenizer_only_when_the_source_has_one(tiny_gpt2, tmp
     assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst")]) == 0
     expected = AutoTokenizer.from_pretrained(tiny_gpt2)("not to be")["input_ids"]
     assert AutoTokenizer.from_pretrained(tmp_path / "dst")("not to be")["input_ids"] == expected != []
+
+
+def test_retrofit_carries_the_sources_other_files_but_not_its_weights_or_code(tiny_gpt2, tmp_path, capsys):
+    """A model card, a license, a chat template stay with the model (an in-place --overwrite had deleted them);
+    weights in other formats, a shard index the copy does not use, code and subfolders stay behind."""
+    from transformers import AutoModelForCausalLM
+
+    carried = {"README.md": "# card", "LICENSE": "terms", "chat_template.jinja": "{{ messages }}"}
+    left = {"pytorch_model.bin": "old weights", "model.safetensors.index.json": "{}", "modeling_old.py": "x = 1"}
+    for name, text in {**carried, **left}.items():
+        (tiny_gpt2 / name).write_text(text)
+    (tiny_gpt2 / "original").mkdir()
+    (tiny_gpt2 / "original" / "consolidated.00.pth").write_text("weights")
+    for destination in (tmp_path / "dst", tiny_gpt2):  # a copy, then in place
+        assert retrofit_main([str(tiny_gpt2), str(destination), "--overwrite"]) == 0
+        names = {path.name for path in destination.iterdir()}
+        assert all((destination / name).read_text() == text for name, text in carried.items())
+        assert "copied from" in capsys.readouterr().out
+        if destination != tiny_gpt2:
+            assert not names & {*left, "original"}
+        assert AutoModelForCausalLM.from_pretrained(destination).config.energy_gates is not None
 
 
 def test_retrofit_refuses_a_destination_that_is_a_file(tiny_gpt2, tmp_path, capsys):

@@ -17,6 +17,27 @@ TOKENIZER_FILES = (
 )
 
 
+# Files of SRC that the copy does not take over: weights (the copy has its own, possibly sharded differently: a stale
+# shard index would send loading to missing files) and code (the copy carries the gated model's).
+NOT_CARRIED_SUFFIXES = (
+    ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json", ".py",
+)
+
+
+def _carry_other_files(src: str, staging: str) -> list[str]:
+    """Copy the files at the top of SRC that saving the model and tokenizer did not write (model card, license,
+    chat template, ...) into ``staging``; subfolders and NOT_CARRIED_SUFFIXES stay behind. Returns the names."""
+    carried = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if (not os.path.isfile(path) or name.endswith(NOT_CARRIED_SUFFIXES) or name.startswith(".")
+                or os.path.exists(os.path.join(staging, name))):
+            continue
+        shutil.copyfile(path, os.path.join(staging, name))  # follows links: a Hub snapshot holds links to blobs
+        carried.append(name)
+    return carried
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(item) for item in text.split(",") if item.strip()]
@@ -28,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-spectral retrofit",
         description="Add energy gates to the checkpoint in SRC (GPT-2, Llama, Mistral, Qwen2) and save it to DST. "
-        "With the default alpha-init 0 the new model's outputs equal the original's.",
+        "With the default alpha-init 0 the new model's outputs equal the original's. SRC's other files (model card, "
+        "license, chat template, ...) are copied along; its subfolders and other weight formats are not.",
     )
     parser.add_argument("src", help="checkpoint folder (config.json + weights)")
     parser.add_argument("dst", help="output folder (must not exist, unless --overwrite)")
@@ -40,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=_int_list, default=None, help="key/value head indices to gate (default all)")
     parser.add_argument("--tau-init", type=float, default=0.0)
     parser.add_argument("--alpha-init", type=float, default=0.0)
-    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="replace DST if it exists (DST may be SRC: what SRC held besides the files copied along goes)",
+    )
     return parser
 
 
@@ -120,6 +145,7 @@ def main(argv=None) -> int:
                 AutoTokenizer.from_pretrained(args.src).save_pretrained(staging)
             except (OSError, ValueError, TypeError) as error:
                 return _fail(f"cannot copy the tokenizer of {args.src}: {type(error).__name__}: {error}")
+        carried = _carry_other_files(args.src, staging)
         apply_umask(staging)  # safetensors writes its files as 0600
         old = None
         if os.path.exists(args.dst):  # moved aside, and deleted only once the new folder is in place
@@ -135,4 +161,6 @@ def main(argv=None) -> int:
         if not done and created is not None and os.path.isdir(created):
             shutil.rmtree(created)
     print(f"wrote {args.dst}: {architecture} with energy gates {gate_config.to_dict()}")
+    if carried:
+        print(f"copied from {args.src}: {', '.join(carried)}")
     return 0

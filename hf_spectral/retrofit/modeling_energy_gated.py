@@ -79,7 +79,9 @@ def family_of_class(model_class: type) -> Family:
     for family in FAMILIES:
         if issubclass(model_class, tuple(family.model_classes.values())):
             return family
-    raise ValueError(f"energy gates cannot be added to {model_class.__name__}; supported: {_supported_names()}")
+    raise ValueError(
+        f"energy gates cannot be added to {model_class.__name__}; supported: {_supported_names()} and their subclasses"
+    )
 
 
 def family_of(model) -> Family:
@@ -89,8 +91,7 @@ def family_of(model) -> Family:
     if hasattr(model, "get_base_model"):
         raise ValueError("add energy gates to the model before wrapping it with PEFT (get_peft_model)")
     raise ValueError(
-        f"energy gates cannot be added to {type(model).__name__}; supported: {_supported_names()} "
-        "(and models sharing the Llama attention: grouped-query attention is supported)"
+        f"energy gates cannot be added to {type(model).__name__}; supported: {_supported_names()} and their subclasses"
     )
 
 
