@@ -260,6 +260,9 @@ class ChiarConfig(CheckedConfigMixin, PreTrainedConfig):
                     ("router_type", self.router_type, "threshold"),
                     ("router_usage_entropy_weight", self.router_usage_entropy_weight, 0.0),
                     ("layer_thresholds", self.layer_thresholds, None),
+                    ("tau_mid", self.tau_mid, DEFAULT_TAU_MID),
+                    ("tau_lo", self.tau_lo, DEFAULT_TAU_LO),
+                    ("tau_hi", self.tau_hi, DEFAULT_TAU_HI),
                 )
                 if value != default and not (name == "layer_thresholds" and value is not None and not any(
                     t is not None for t in value))
