@@ -114,8 +114,10 @@ _ROUTING_DOC = r"""
         The usage-entropy regulariser λ Σ_layers (log K − H(ū)) when `router_usage_entropy_weight` > 0; the heads add it
         to their loss.
 
-    With `output_attentions=True`, `attentions` holds one tensor per `attention` layer (every token a query), in
-    layer order: routed and mixing layers record none.
+    With `output_attentions=True`, `attentions` holds one tensor per layer whose attention takes every token as a
+    query, in layer order: the `attention` layers, and the routed layers that run every operator on every token
+    (`routed_execution="dense"`, soft routing). Mixing layers, and routed layers that attend with their routed queries
+    only, record none.
 """
 
 

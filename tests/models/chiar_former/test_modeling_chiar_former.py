@@ -711,9 +711,13 @@ def test_output_attentions_under_sdpa_warns_and_falls_back_to_eager(caplog):
         out = sdpa(ids, output_attentions=True)
     assert "output_attentions=True" in caplog.text and "eager" in caplog.text
     expected = eager(ids, output_attentions=True)
-    assert len(out.attentions) >= 1 and out.attentions[0].shape == (2, 4, 12, 12)
+    assert len(out.attentions) == 1 and out.attentions[0].shape == (2, 4, 12, 12)  # the routed layer records none
     torch.testing.assert_close(out.attentions[0], expected.attentions[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out.logits, sdpa(ids).logits, atol=1e-5, rtol=1e-5)
+    # Dense execution runs the routed layer's attention with every token as a query: it records that one too.
+    dense = build(ChiarForCausalLM, tiny_config(layer_operators=["attention", "routed"], num_hidden_layers=2,
+                                                routed_execution="dense"), calibrate_on=ids)
+    assert [a.shape for a in dense(ids, output_attentions=True).attentions] == [(2, 4, 12, 12)] * 2
 
 
 # --- transformers' conventions and input checks -------------------------------------------------------------------
