@@ -244,6 +244,11 @@ def test_training_arguments_fields_pass_through_the_command_line():
         (["--not_a_field", "3"], "neither a recipe option nor a TrainingArguments field: not_a_field"),
         (["--eval_strategy", "no"], "--eval_strategy is set by the recipe; use --eval_steps"),
         (["--seeds", "-1"], "--seeds must be integers in [0, 2**32 - 1], got -1"),
+        # Every arm's configuration is checked before the first arm trains, not when its turn comes.
+        (["--arms", "attention", "threshold", "--num_hidden_layers", "2"],
+         "threshold needs a routed layer, but the authors' layout with 2 layers has none"),
+        (["--config_overrides", "tau_mid=0.5"], "--config_overrides tau_mid: threshold calibrates its thresholds"),
+        (["--config_overrides", "tau_mdi=0.5"], "unknown keyword(s) `tau_mdi` (did you mean `tau_mid`?)"),
     ],
 )
 def test_bad_chiar_options_are_usage_errors(arguments, message, tmp_path, capsys):

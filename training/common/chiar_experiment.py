@@ -401,17 +401,22 @@ def count_sequence_flops(config, shape, decisions, attention_mask, lm: bool) -> 
 # ------------------------------------------------------------------------------------------------------------
 
 
-def build_model(arm: Arm, preset: LMPreset, args, task: ChiarTask, data: TaskData):
-    from hf_spectral.models.chiar_former import ChiarConfig, ChiarForCausalLM, ChiarForSequenceClassification
+# Thresholds that calibration writes: given in --config_overrides for a calibrated arm, they would be replaced.
+CALIBRATED_FIELDS = ("tau_mid", "tau_lo", "tau_hi", "layer_thresholds")
+
+
+def arm_config(arm: Arm, preset: LMPreset, args, task: ChiarTask, data: TaskData):
+    """The ChiarConfig of ``arm``; a ValueError naming the arm for settings it cannot take."""
+    from hf_spectral.models.chiar_former import ChiarConfig
+    from hf_spectral.ops.validation import check_known_keys
 
     tokenizer = data.tokenizer
-    pad = tokenizer.pad_token_id
     settings = dict(
         vocab_size=len(tokenizer), max_position_embeddings=preset.context_length, hidden_size=preset.hidden_size,
         num_hidden_layers=preset.num_hidden_layers, num_attention_heads=preset.num_attention_heads,
         hidden_dropout=preset.dropout, layer_norm_position=args.layer_norm_position,
         routed_execution=args.routed_execution, dct_implementation=args.dct_implementation,
-        rbf_num_features=args.rbf_num_features, is_causal=task.kind == "lm", pad_token_id=pad,
+        rbf_num_features=args.rbf_num_features, is_causal=task.kind == "lm", pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
     )
     if args.intermediate_size:
@@ -421,7 +426,14 @@ def build_model(arm: Arm, preset: LMPreset, args, task: ChiarTask, data: TaskDat
         settings["router_usage_entropy_weight"] = args.router_usage_entropy_weight
     if task.kind == "classification":
         settings.update(num_labels=data.num_labels, classifier_pooling=args.classifier_pooling)
-    settings.update(parse_config_overrides(args.config_overrides))
+    overrides = parse_config_overrides(args.config_overrides)
+    check_known_keys(ChiarConfig, overrides, "--config_overrides")  # a misspelt key would only be warned about
+    calibrated = [key for key in CALIBRATED_FIELDS if key in overrides]
+    if arm.needs_calibration and calibrated:
+        raise ValueError(f"--config_overrides {', '.join(calibrated)}: {arm.label} calibrates its thresholds on "
+                         "training batches, which would replace them; choose the share of tokens with "
+                         "--calibration_percentiles instead")
+    settings.update(overrides)
     try:
         from huggingface_hub.errors import StrictDataclassError
     except ImportError:  # a huggingface_hub without strict dataclasses: configurations raise ValueError / TypeError
@@ -429,16 +441,42 @@ def build_model(arm: Arm, preset: LMPreset, args, task: ChiarTask, data: TaskDat
     try:
         config = ChiarConfig(**settings)
     except (ValueError, TypeError, StrictDataclassError) as error:  # the Hub's field checks (e.g. rope_theta="x")
-        raise SystemExit(f"error: invalid CHIAR configuration for {arm.label}: {error}") from None
+        raise ValueError(f"invalid CHIAR configuration for {arm.label}: {error}") from None
     percentiles = args.calibration_percentiles
     if arm.needs_calibration and percentiles and len(percentiles) != len(config.routed_operators) - 1:
-        raise SystemExit(f"error: --calibration_percentiles {' '.join(f'{p:g}' for p in percentiles)}: {arm.label} "
+        raise ValueError(f"--calibration_percentiles {' '.join(f'{p:g}' for p in percentiles)}: {arm.label} "
                          f"routes between {len(config.routed_operators)} operators, so it takes "
                          f"{len(config.routed_operators) - 1} percentile(s)")
     if arm.routed and not config.routed_layers:
-        raise SystemExit(f"error: {arm.label} needs a routed layer, but the authors' layout with "
-                         f"{config.num_hidden_layers} layers has none (DCT first, attention last): use at least 3 "
-                         f"layers or {arm.family}@all")
+        raise ValueError(f"{arm.label} needs a routed layer, but the authors' layout with {config.num_hidden_layers} "
+                         f"layers has none (DCT first, attention last): use at least 3 layers or {arm.family}@all")
+    return config
+
+
+def check_arm_configs(arms, preset: LMPreset, args, task: ChiarTask) -> None:
+    """Every arm's configuration checked before any data is prepared or any arm trains (a later arm's bad setting
+    would otherwise stop a run after hours): with a stand-in vocabulary, the real one being unknown yet."""
+    from types import SimpleNamespace
+
+    stand_in = SimpleNamespace(tokenizer=_StandInTokenizer(), num_labels=2)
+    for arm in arms:
+        arm_config(arm, preset, args, task, stand_in)
+
+
+class _StandInTokenizer:
+    pad_token_id = eos_token_id = bos_token_id = 0
+
+    def __len__(self):
+        return 256
+
+
+def build_model(arm: Arm, preset: LMPreset, args, task: ChiarTask, data: TaskData):
+    from hf_spectral.models.chiar_former import ChiarForCausalLM, ChiarForSequenceClassification
+
+    try:
+        config = arm_config(arm, preset, args, task, data)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     model = (ChiarForCausalLM if task.kind == "lm" else ChiarForSequenceClassification)(config)
     model.set_attn_implementation(args.attn_implementation)
     return model
@@ -931,6 +969,10 @@ def run_recipe(argv, task: ChiarTask, description: str) -> int:
     except (argparse.ArgumentTypeError, ValueError) as error:
         parser.error(str(error))
     arm_labels = list(dict.fromkeys(arm_labels))
+    try:
+        check_arm_configs(arm_labels, preset, args, task)
+    except ValueError as error:
+        parser.error(str(error))
     arms = [Arm(a.family, a.layout, seed) for seed in preset.seeds for a in arm_labels]
 
     from .runs import is_main_process, prepare_recipe
