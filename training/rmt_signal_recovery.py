@@ -30,7 +30,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from .common.presets import positive_int  # noqa: E402
+from .common.presets import positive_int, recipe_prog  # noqa: E402
 from .results import write_results  # noqa: E402
 
 
@@ -683,7 +683,8 @@ def write_readme(out, args, seconds, results):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(prog=recipe_prog("rmt_signal_recovery"), description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--smoke", action="store_true", help="toy sizes, every step, under a minute")
     parser.add_argument("--out", default=None, help="output folder (default results/rmt, or runs/rmt_smoke with --smoke)")

@@ -470,9 +470,11 @@ def attention_pooling_report(model, dataloader, correlation=None, *, states: str
     """α, κ, α/κ of each layer's effective attention weights against R, plus reference poolings.
 
     ``correlation``: a T×T matrix (e.g. the known R of a synthetic task) or None to estimate it from the same
-    labelled batches (``estimate_position_correlation`` with ``states``). Rows: one per layer
-    (``pooling = "attention layer l"``), then ``mean``, ``optimal``, ``harmonic (strictly causal)`` (for T ≥ 2)
-    and ``harmonic (with self)`` on the same positions.
+    labelled batches (``estimate_position_correlation`` with ``states``). Rows: one per tensor of the model's
+    ``attentions`` output (``pooling = "attention layer l"``: the l-th tensor, which is layer l of a model whose every
+    layer attends, such as GPT-2 or EGA-GPT, but CHIAR-Former's l-th layer that records attention, see its output's
+    docstring), then ``mean``, ``optimal``, ``harmonic (strictly causal)`` (for T ≥ 2) and ``harmonic (with self)``
+    on the same positions.
     """
     measured = attention_pooling_weights(model, dataloader, max_batches=max_batches)
     if correlation is None:
