@@ -135,7 +135,7 @@ def aggregate(args, benchmark: str) -> bool:
     """Write ``<results_dir>/<benchmark>.{json,md}`` and figures; False if runs are missing."""
     import importlib
 
-    from .common.lm_experiment import TABLE_COLUMNS, RunSpec, comparison_rows
+    from .common.lm_experiment import RunSpec, comparison_rows, table_columns
     from .common.plots import plot_learning_curves
     from .results import write_results
 
@@ -182,7 +182,7 @@ def aggregate(args, benchmark: str) -> bool:
              f"better), from the leak-free loss for `window` models, whose ordinary loss sees future tokens. "
              f"Paper: SPEC 1.4 (6 layers, C = 256, 5000 steps, one seed, window statistics).\n\n"
              f"Paired by seed (model and BASE share the seed):\n{paired_lines}\n")
-    columns = TABLE_COLUMNS + ["gate params", "params", "train min / run"]
+    columns = table_columns(rows) + ["gate params", "params", "train min / run"]
     # Each run records the machine it ran on; the table process itself is not what was measured.
     extra = {"run_hardware": first.get("hardware"), "paired_deltas": paired, "window_leak": leak, "gate_by_character": gate_chars, "runs": [
         {k: v for k, v in s.items() if k not in ("log_history", "hardware", "preset")} for s in summaries]}

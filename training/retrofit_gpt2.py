@@ -35,7 +35,7 @@ from . import ptb_char, tinyshakespeare
 from .common.data import TextCorpus, build_lm_data, encode_text, fixed_subset, load_corpus_texts, word_tokenizer
 from .common.exit_codes import EXIT_INTERRUPTED
 from .common.lm_experiment import tau_summary
-from .common.presets import LMPreset, positive_int, recipe_prog, world_size
+from .common.presets import LMPreset, check_training_arguments, positive_int, recipe_prog, world_size
 from .results import current_command, hardware_summary, write_results
 
 WIKITEXT2 = TextCorpus(
@@ -274,13 +274,16 @@ def pretrain(args, preset, data, tokenizer):
     """Phase 1 (once per pretraining seed): a GPT-2 trained from scratch on the pretraining corpus."""
     from transformers import set_seed
 
-    from .common.runs import barrier, build_trainer, final_losses, is_main_process, open_run_dir, run_settings
-    from .common.runs import train_or_resume, write_json
+    from .common.runs import barrier, build_trainer, data_fingerprint, final_losses, is_main_process, open_run_dir
+    from .common.runs import run_settings, train_or_resume, write_json
     from .common.trainer import remove_checkpoints
 
     phase = preset.phase(preset.pretrain_steps, preset.pretrain_warmup_steps, preset.pretrain_learning_rate)
-    # Reused by every fine-tuning arm, so only if made as this command would make it.
-    settings = run_settings(phase, corpus=args.pretrain_corpus, level=args.level, min_count=args.min_count)
+    # Reused by every fine-tuning arm, so only if made as this command would make it: the pretraining data and the
+    # vocabulary (built from both corpora), and the options that act on pretraining.
+    settings = run_settings(phase, data=data_fingerprint(tokenizer, data["pretrain"].datasets),
+                            corpus=args.pretrain_corpus, level=args.level, min_count=args.min_count,
+                            attn_implementation=args.attn_implementation, bf16=args.bf16)
     run_dir, done = open_run_dir(args.output_dir, f"pretrained-seed{args.pretrain_seed}", args.restart, settings)
     if done is not None:
         return run_dir, done
@@ -312,14 +315,18 @@ def pretrain(args, preset, data, tokenizer):
 def finetune_arm(arm, seed, pretrained_dir, args, preset, data, tokenizer, runs):
     from transformers import set_seed
 
-    from .common.runs import barrier, build_trainer, final_losses, hub_repo_id, is_main_process, open_run_dir
-    from .common.runs import run_settings, train_or_resume, write_json
+    from .common.runs import barrier, build_trainer, data_fingerprint, final_losses, hub_repo_id, is_main_process
+    from .common.runs import open_run_dir, run_settings, train_or_resume, write_json
     from .common.trainer import remove_checkpoints
 
     run_name = f"{arm.replace('+', '_')}-seed{seed}"
-    # The whole preset (the pretraining's numbers too: the arm starts from that model) and the data and gate options.
-    settings = run_settings(preset, pretrain_corpus=args.pretrain_corpus, finetune_corpus=args.finetune_corpus,
-                            level=args.level, min_count=args.min_count, gate_normalization=args.gate_normalization)
+    # The whole preset (the pretraining's numbers too: the arm starts from that model), every option with an effect
+    # (the pretraining seed among them) but the preset's own numbers (recorded as resolved), and both corpora.
+    options = argparse.Namespace(
+        **{k: v for k, v in vars(args).items() if k not in RetrofitPreset.__dataclass_fields__})
+    splits = {f"{role}/{name}": split for role in ("pretrain", "finetune")
+              for name, split in data[role].datasets.items()}
+    settings = run_settings(preset, options, data_fingerprint(tokenizer, splits))
     run_dir, done = open_run_dir(args.output_dir, run_name, args.restart, settings, args.push_to_hub)
     if done is not None:
         return done
@@ -574,25 +581,14 @@ def main(argv=None) -> int:
     if args.pretrain_corpus == args.finetune_corpus:
         print(f"note: pretraining and fine-tuning on the same corpus ({args.pretrain_corpus})", flush=True)
 
-    import torch
+    from .common.runs import is_main_process, prepare_recipe
 
-    from .common.runs import is_main_process
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.output_dir = args.output_dir or os.path.join("runs", f"retrofit_gpt2-{preset_name}")
-    os.makedirs(args.output_dir, exist_ok=True)
-
-    from accelerate import PartialState
-
-    from .common.data import CorpusNotFoundError
-
-    try:
-        with PartialState().main_process_first():
-            data, tokenizer, unknown = load_corpora(args, preset, os.path.join(args.output_dir, "tokenizer"))
-    except (CorpusNotFoundError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    check_training_arguments(parser, preset.phase(preset.pretrain_steps, preset.pretrain_warmup_steps,
+                                                  preset.pretrain_learning_rate), args)
+    args.output_dir, corpora = prepare_recipe(args, "retrofit_gpt2", preset_name, preset, load_corpora)
+    if corpora is None:
         return 2
+    data, tokenizer, unknown = corpora
     print(f"vocabulary {len(tokenizer)} ({args.level}); unknown-token rate {unknown}; pretrain "
           f"{data['pretrain'].tokens}, fine-tune {data['finetune'].tokens} tokens", flush=True)
 

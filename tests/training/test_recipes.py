@@ -174,6 +174,7 @@ def test_help_is_reachable_through_the_hf_spectral_command(capsys, monkeypatch):
         (["--learning_rate", "nan"], "--learning_rate must be a positive number, got nan"),
         (["--warmup_steps", "-1"], "--warmup_steps must be a number of at least 0, got -1"),
         (["--weight_decay", "-0.1"], "--weight_decay must be a number of at least 0, got -0.1"),
+        (["--report_to", "bogus"], "TrainingArguments refuse these options: bogus is not supported"),
     ],
 )
 def test_bad_options_are_usage_errors(arguments, message, tiny_shakespeare, tmp_path, capsys):
@@ -211,6 +212,20 @@ def test_threads_below_one_are_refused_before_the_data_is_read(threads, tiny_sha
     assert not output_dir.exists()
 
 
+def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_the_corrected_command(tmp_path):
+    from training.common.runs import RUN_SETTINGS_FILE, open_run_dir
+
+    run_dir = tmp_path / "BASE-seed0"
+    run_dir.mkdir()
+    (run_dir / RUN_SETTINGS_FILE).write_text(json.dumps({"max_steps": 8, "settings_version": 3}))
+    assert open_run_dir(str(tmp_path), "BASE-seed0", False, {"max_steps": 9, "settings_version": 3}) == (
+        str(run_dir), None)
+    assert json.loads((run_dir / RUN_SETTINGS_FILE).read_text())["max_steps"] == 9  # the new command's settings
+    (run_dir / "checkpoint-4").mkdir()  # something to resume: now held to its settings
+    with pytest.raises(SystemExit, match="\\(max_steps: 9 there, 10 now\\)"):
+        open_run_dir(str(tmp_path), "BASE-seed0", False, {"max_steps": 10, "settings_version": 3})
+
+
 def test_missing_data_and_a_file_as_output_folder_are_clear_errors(tmp_path, capsys):
     output_dir = tmp_path / "runs" / "missing-data"
     code = tinyshakespeare.main(["--smoke", "--data_path", str(tmp_path / "missing"), "--output_dir", str(output_dir)])
@@ -227,15 +242,24 @@ def test_missing_data_and_a_file_as_output_folder_are_clear_errors(tmp_path, cap
 # ------------------------------------------------------------------------------------------------------------
 
 
-def test_ptb_char_recipe_derives_char_files_and_reports_the_test_split(tiny_ptb_words, tmp_path):
+def test_ptb_char_recipe_derives_char_files_and_reports_the_test_split(tiny_ptb_words, tmp_path, capsys):
     data_dir = tmp_path / "ptb"
     shutil.copytree(tiny_ptb_words, data_dir)
-    code = ptb_char.main(["--smoke", "--variants", "EGA-1", "--data_path", str(data_dir), "--eval_test",
-                          "--output_dir", str(tmp_path / "out"), "--no_plots"])
+    arguments = ["--smoke", "--variants", "EGA-1", "--data_path", str(data_dir), "--eval_test",
+                 "--output_dir", str(tmp_path / "out"), "--no_plots"]
+    code = ptb_char.main(arguments)
     assert code == 0
     assert (data_dir / "ptb.char.valid.txt").read_text() == ptb_char.word_to_char((data_dir / "ptb.valid.txt").read_text())
     summary = _summary(tmp_path / "out" / "EGA-1-causal-seed0")
     assert summary["test_loss"] > 0 and summary["val_loss"] > 0
+    assert "| test loss |" in (tmp_path / "out" / "results.md").read_text()
+    # A run completed without a test loss gets one from its saved model: the number its final evaluation gave
+    summary_file = tmp_path / "out" / "EGA-1-causal-seed0" / "summary.json"
+    summary_file.write_text(json.dumps({k: v for k, v in summary.items() if not k.startswith("test_")}))
+    assert ptb_char.main(arguments) == 0
+    assert "--eval_test: test loss" in capsys.readouterr().out
+    assert _summary(tmp_path / "out" / "EGA-1-causal-seed0")["test_loss"] == pytest.approx(summary["test_loss"],
+                                                                                         rel=1e-6)
     vocabulary = json.loads((tmp_path / "out" / "tokenizer" / "vocab.json").read_text())
     assert " " not in vocabulary and "_" in vocabulary  # joined format: no separator spaces
     config = json.loads((tmp_path / "out" / "results.json").read_text())["config"]

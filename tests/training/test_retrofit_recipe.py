@@ -87,9 +87,28 @@ def test_the_pretrained_model_is_reused_by_later_invocations(retrofit_run, capsy
     assert "[pretrained-seed0] complete already" in output
     record = json.loads((retrofit_run["dir"] / "retrofit_gpt2.json").read_text())
     assert [row["arm"] for row in record["rows"]] == ["pretrained (no fine-tuning)", "lora"]
+    # Finished arms are reused by an invocation that asks for other arms too
+    assert retrofit_gpt2.main(retrofit_run["arguments"] + ["--arms", "gates", "lora", "--no_plots"]) == 0
+    assert "[gates-seed0] complete already" in capsys.readouterr().out
     # ... but only when made as this command would make it: another size is refused, naming the difference
     with pytest.raises(SystemExit, match="pretrained-seed0 holds a run made with other settings \\(hidden_size: "):
         retrofit_gpt2.main(retrofit_run["arguments"] + ["--arms", "lora", "--no_plots", "--hidden_size", "64"])
+
+
+def test_arms_from_another_pretrained_model_or_other_data_are_not_reused(retrofit_run, tmp_path):
+    """Each arm records the pretraining seed and both corpora; the pretrained model records its data and the
+    vocabulary. Arms had been reused silently, next to a pretrained model they did not start from."""
+    arguments = retrofit_run["arguments"] + ["--arms", "gates", "--no_plots"]
+    with pytest.raises(SystemExit, match="gates-seed0 holds a run made with other settings \\(pretrain_seed: 0 there"):
+        retrofit_gpt2.main(arguments + ["--pretrain_seed", "1"])
+    shorter = tmp_path / "shakespeare.txt"
+    text = open(arguments[arguments.index("--finetune_data_path") + 1], encoding="utf-8").read()
+    shorter.write_text(text[: len(text) * 3 // 4], encoding="utf-8")
+    arguments[arguments.index("--finetune_data_path") + 1] = str(shorter)
+    # Fine-tuning text with the same characters: the pretrained model (its data, the same vocabulary) is reused, the
+    # arm is not
+    with pytest.raises(SystemExit, match="gates-seed0 holds a run made with other settings \\(data: "):
+        retrofit_gpt2.main(arguments)
 
 
 @pytest.mark.parametrize("threads", ["0", "-2"])

@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 
 from ..results import mean_std, pm
 from .exit_codes import EXIT_INTERRUPTED
-from .presets import LMPreset, add_output_arguments, percentage, positive_int, recipe_prog, resolve_preset
+from .presets import (
+    LMPreset,
+    add_output_arguments,
+    check_training_arguments,
+    percentage,
+    positive_int,
+    recipe_prog,
+    resolve_preset,
+)
 
 # ------------------------------------------------------------------------------------------------------------
 # Arms
@@ -973,6 +981,7 @@ def run_recipe(argv, task: ChiarTask, description: str) -> int:
         check_arm_configs(arm_labels, preset, args, task)
     except ValueError as error:
         parser.error(str(error))
+    check_training_arguments(parser, preset, args, **training_overrides)
     arms = [Arm(a.family, a.layout, seed) for seed in preset.seeds for a in arm_labels]
 
     from .runs import is_main_process, prepare_recipe

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from ..results import current_command, hardware_summary, mean_std, pm, write_results
 from .data import LMData, fixed_subset
 from .exit_codes import EXIT_INTERRUPTED
-from .presets import LMPreset, add_output_arguments, positive_int, recipe_prog, resolve_preset, world_size
+from .presets import (
+    LMPreset,
+    add_output_arguments,
+    check_training_arguments,
+    positive_int,
+    recipe_prog,
+    resolve_preset,
+    world_size,
+)
 
 NORMALIZATIONS = ("causal", "window", "none")
 
@@ -274,6 +282,8 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
     settings = run_settings(preset, args, data_fingerprint(data.tokenizer, data.datasets))
     run_dir, done = open_run_dir(output_dir, spec.name, args.restart, settings, getattr(args, "push_to_hub", False))
     if done is not None:
+        if getattr(args, "eval_test", False) and "test" in data.datasets and "test_loss" not in done:
+            done = add_test_loss(run_dir, done, spec, data, preset, args)
         return done
 
     set_seed(spec.seed)  # the seed fixes the initial weights, the data order and the dropout masks
@@ -339,6 +349,26 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
     return summary
 
 
+def add_test_loss(run_dir: str, summary: dict, spec: RunSpec, data: LMData, preset: LMPreset, args) -> dict:
+    """``--eval_test`` on a run completed without it: its saved model scores the test split as the final evaluation
+    of a new run would (the same trainer set-up and metrics), and its summary records the result."""
+    from transformers import AutoModelForCausalLM
+
+    from .runs import build_trainer, is_main_process, write_json
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir, attn_implementation=args.attn_implementation)
+    no_upload = argparse.Namespace(**{**vars(args), "push_to_hub": False, "stop_after_steps": None})
+    trainer, _ = build_trainer(model, run_dir, preset, spec.seed, data.datasets["train"], data.datasets["validation"],
+                               data.tokenizer, no_upload, chars_per_token=data.chars_per_token("validation"))
+    metrics = trainer.evaluate(eval_dataset={"test": data.datasets["test"]})
+    summary = {**summary, "test_loss": metrics["eval_test_loss"],
+               "test_bits_per_char": metrics["eval_test_bits_per_char"]}
+    print(f"[{spec.name}] --eval_test: test loss {summary['test_loss']:.4f} nats/char from the saved model", flush=True)
+    if is_main_process():
+        write_json(os.path.join(run_dir, "summary.json"), summary)
+    return summary
+
+
 def write_run_plots(run_dir, spec, model, data, log_history, benchmark):
     from .plots import plot_learning_curves, write_gate_figures
 
@@ -368,7 +398,13 @@ def write_card(directory: str, spec: RunSpec, preset: LMPreset, benchmark: Bench
             ("training loss, eval mode (nats/char)", "loss", "train", summary.get("train_loss")),
             ("generalisation gap (val − train)", "generalization_gap", None, summary.get("generalization_gap"))]
     if "val_loss_leak_free" in summary:
-        rows.insert(0, ("LEAK-FREE validation loss (nats/char)", "loss", "validation", summary["val_loss_leak_free"]))
+        # The leak-free loss is measured on its own blocks (`leak_free_batches`): beside it, the ordinary loss on the
+        # same blocks, the pair that measures the leak (the validation loss above may cover other blocks).
+        blocks = f"{summary.get('leak_free_tokens', 0):,} predicted tokens of the validation split"
+        rows[:0] = [(f"LEAK-FREE validation loss (nats/char), {blocks}", "loss", "validation",
+                     summary["val_loss_leak_free"]),
+                    ("ordinary validation loss on the same tokens (sees future tokens)", "loss", "validation",
+                     summary.get("val_loss_same_blocks"))]
     if "test_loss" in summary:
         rows.append(("test loss (nats/char)", "loss", "test", summary["test_loss"]))
     table = "| metric | value |\n|---|---|\n" + "".join(
@@ -461,6 +497,7 @@ def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None)
         variant = runs[0]["variant"]
         val, val_std = mean_std([s["val_loss"] for s in runs])
         leak, leak_std = mean_std([s.get("val_loss_leak_free") for s in runs])
+        test, test_std = mean_std([s.get("test_loss") for s in runs])
         # A window model's leak-free loss is the one that compares with BASE, on the blocks it was measured on.
         comparable, reference = (leak, base_same_blocks) if leak is not None else (val, base)
         gap, gap_std = mean_std([s["generalization_gap"] for s in runs])
@@ -470,6 +507,7 @@ def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None)
             "seeds": len(runs),
             "val loss": pm(val, val_std),
             "leak-free val loss": pm(leak, leak_std),
+            "test loss": pm(test, test_std),
             "Δ vs BASE": "" if reference is None or label == "BASE" else f"{reference - comparable:+.4f}",
             "gap (val − train)": pm(gap, gap_std),
             "τ (mean)": pm(tau, tau_std, 3),
@@ -478,14 +516,20 @@ def comparison_rows(summaries: list, paper: dict, paper_gap: dict | None = None)
             else f"{paper_base - paper[variant]:+.4f}",
             "paper gap": "" if not paper_gap or paper_gap.get(variant) is None else f"{paper_gap[variant]:.3f}",
             "val_loss_mean": val, "val_loss_std": val_std, "leak_free_mean": leak, "leak_free_std": leak_std,
+            "test_loss_mean": test, "test_loss_std": test_std,
             "gap_mean": gap, "gap_std": gap_std, "tau_mean": tau, "tau_std": tau_std,
             "delta_vs_base": None if reference is None or label == "BASE" else reference - comparable,
         })
     return rows
 
 
-TABLE_COLUMNS = ["model", "seeds", "val loss", "leak-free val loss", "Δ vs BASE", "gap (val − train)", "τ (mean)",
-                 "paper val", "paper Δ", "paper gap"]
+TABLE_COLUMNS = ["model", "seeds", "val loss", "leak-free val loss", "test loss", "Δ vs BASE", "gap (val − train)",
+                 "τ (mean)", "paper val", "paper Δ", "paper gap"]
+
+
+def table_columns(rows: list) -> list:
+    """TABLE_COLUMNS, without the test loss when no run has one (it is measured with --eval_test)."""
+    return [column for column in TABLE_COLUMNS if column != "test loss" or any(row["test loss"] for row in rows)]
 
 
 def write_experiment_results(out, summaries, preset_name, preset, benchmark, data, args):
@@ -505,7 +549,7 @@ def write_experiment_results(out, summaries, preset_name, preset, benchmark, dat
               **{name: getattr(args, name) for name in ("char_format", "eval_test") if hasattr(args, name)}}
     seeds = sorted({s["seed"] for s in summaries})
     paths = write_results(out, "results", rows, title=f"{benchmark.title}: EGA-GPT variants ({preset_name} preset)",
-                          config=config, seeds=seeds, notes=notes, columns=TABLE_COLUMNS)
+                          config=config, seeds=seeds, notes=notes, columns=table_columns(rows))
     histories = {f"{RunSpec(s['variant'], s['normalization'], s['seed']).label} seed {s['seed']}": s["log_history"]
                  for s in summaries if s.get("log_history")}
     if histories:
@@ -522,8 +566,9 @@ def print_final_losses(summaries: list):
         spec = RunSpec(summary["variant"], summary["normalization"], summary["seed"])
         line = f"validation loss  {spec.label:<22} seed {spec.seed}: {summary['val_loss']:.4f} nats/char"
         leak_free = "val_loss_leak_free" in summary
-        if leak_free:
-            line += f"  (leak-free: {summary['val_loss_leak_free']:.4f}; the ordinary loss sees future tokens)"
+        if leak_free:  # the leak is the difference on the same tokens (the leak-free evaluation's own blocks)
+            line += (f"  (leak-free: {summary['val_loss_leak_free']:.4f}, ordinary on the same tokens: "
+                     f"{summary['val_loss_same_blocks']:.4f}; the ordinary loss sees future tokens)")
         comparable = summary["val_loss_leak_free"] if leak_free else summary["val_loss"]
         base_mean = comparable_base(base_runs, leak_free)
         if base_mean is not None and summary["variant"] != "BASE":
@@ -546,6 +591,7 @@ def run_recipe(argv, *, benchmark: Benchmark, corpus, presets: dict, default_pre
     args = parser.parse_args(argv)
     preset_name, preset = resolve_preset(args, presets, parser, heads_divide_width=True)
     specs = run_specs(args, preset, parser)
+    check_training_arguments(parser, preset, args)
 
     from .runs import is_main_process, prepare_recipe
 

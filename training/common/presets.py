@@ -140,6 +140,20 @@ def training_arguments(preset: LMPreset, output_dir: str, seed: int, **overrides
     return TrainingArguments(**arguments)
 
 
+def check_training_arguments(parser: argparse.ArgumentParser, preset: LMPreset, args, **overrides) -> None:
+    """Build the runs' ``TrainingArguments`` once before any data or folder is touched: a setting transformers
+    refuses (``--bf16`` without hardware support, an unknown ``--report_to``, a bad ``TrainingArguments`` field) is
+    a usage error (status 2) instead of a traceback after the data are prepared and the first run folder made."""
+    from transformers.integrations.integration_utils import get_reporting_integration_callbacks
+
+    try:  # (TrainingArguments creates no folder)
+        arguments = training_arguments(preset, os.path.join("runs", "unused"), 0, bf16=args.bf16 or None,
+                                       report_to=args.report_to, **overrides)
+        get_reporting_integration_callbacks(arguments.report_to)
+    except (ValueError, TypeError, ImportError) as error:
+        parser.error(f"transformers' TrainingArguments refuse these options: {error}")
+
+
 @dataclass
 class HubOptions:
     """``--push_to_hub`` and friends, passed to ``TrainingArguments`` unchanged."""

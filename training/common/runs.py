@@ -51,11 +51,11 @@ def read_summary(run_dir: str) -> dict | None:
 
 
 RUN_SETTINGS_FILE = "run_settings.json"
-# 2: every option with an effect and the data's fingerprint. Files without a version (1) hold the preset's numbers
-# and a few options; a run folder written then is checked against what its file holds.
-RUN_SETTINGS_VERSION = 2
+# 2: every option with an effect and the data's fingerprint; 3: the same for retrofit_gpt2 too (its pretrained model
+# and arms recorded neither). Files of an earlier version (none: 1) are checked against the keys they hold.
+RUN_SETTINGS_VERSION = 3
 # Preset fields that do not change what a run computes: reusing its folder with other values is fine.
-PRESET_FIELDS_WITHOUT_EFFECT = ("description", "variants", "seeds", "save_steps", "logging_steps")
+PRESET_FIELDS_WITHOUT_EFFECT = ("description", "variants", "arms", "seeds", "save_steps", "logging_steps")
 
 
 # Command-line options that do not change what a run computes: where its data are read from (the data are recorded
@@ -66,6 +66,7 @@ OPTIONS_WITHOUT_EFFECT = frozenset({
     "output_dir", "results_dir", "restart", "stop_after_steps", "keep_checkpoints", "no_plots", "push_to_hub",
     "hub_model_id", "hub_token", "hub_private_repo", "hub_strategy", "report_to", "threads", "no_download",
     "data_path", "dataset_name", "dataset_config", "text_column", "train_file", "validation_file", "test_file",
+    "pretrain_data_path", "finetune_data_path",
     "tokenizer_name_or_path", "preset", "smoke", "seeds", "variants", "normalization", "arms", "evaluate_model",
     "eval_test",  # scores the test split once training is done
     *LMPreset.__dataclass_fields__,
@@ -104,10 +105,15 @@ def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | Non
         shutil.rmtree(run_dir)
     barrier()
     settings_path = os.path.join(run_dir, RUN_SETTINGS_FILE)
-    if settings is not None and os.path.isfile(settings_path):
+    # Only a run with something to reuse (a summary, a checkpoint) is held to its settings: a start that failed before
+    # its first checkpoint (a bad option, unreachable data) must not block the corrected command.
+    reusable = os.path.isdir(run_dir) and any(
+        entry == "summary.json" or entry.startswith("checkpoint-") for entry in os.listdir(run_dir))
+    if settings is not None and reusable and os.path.isfile(settings_path):
         with open(settings_path, encoding="utf-8") as handle:
             recorded = json.load(handle)
-        compared = set(recorded) | set(settings) if "settings_version" in recorded else set(recorded)
+        current = recorded.get("settings_version") == RUN_SETTINGS_VERSION
+        compared = set(recorded) | set(settings) if current else set(recorded)
         differences = [f"{key}: {recorded.get(key)!r} there, {settings.get(key)!r} now"
                        for key in sorted(compared) if recorded.get(key) != settings.get(key)]
         if differences:
@@ -154,7 +160,7 @@ def prepare_recipe(args, recipe: str, preset_name: str, preset, load_data) -> tu
     try:
         with state.main_process_first():
             data = load_data(args, preset, os.path.join(output_dir, "tokenizer"))
-    except (CorpusNotFoundError, FileNotFoundError, ValueError) as error:
+    except (CorpusNotFoundError, OSError, ValueError) as error:  # OSError: also a Hub dataset out of reach
         print(f"error: {error}", file=sys.stderr)
         if created and state.is_main_process:  # no empty (or half-written) output folder stays behind
             shutil.rmtree(created, ignore_errors=True)
