@@ -86,6 +86,9 @@ def test_window_model_is_reported_with_its_leak_free_loss(pushed_smoke_run):
     assert row["delta_vs_base"] == pytest.approx(base["val_loss_same_blocks"] - summary["val_loss_leak_free"])
     card = (pushed_smoke_run["dir"] / "EGA-1-window-seed0" / "README.md").read_text()
     assert "sees future tokens" in card and "LEAK-FREE" in card
+    # beside it, the ordinary loss on the same tokens: the pair that measures the leak
+    same_tokens = summary["val_loss_same_blocks"]
+    assert f"| ordinary validation loss on the same tokens (sees future tokens) | {same_tokens:.4f} |" in card
 
 
 def test_model_card_metadata_holds_the_measured_results(pushed_smoke_run):
