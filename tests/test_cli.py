@@ -154,8 +154,11 @@ def test_retrofit_carries_the_sources_other_files_but_not_its_weights_or_code(ti
     weights in other formats, a shard index the copy does not use, code and subfolders stay behind."""
     from transformers import AutoModelForCausalLM
 
-    carried = {"README.md": "# card", "LICENSE": "terms", "chat_template.jinja": "{{ messages }}"}
-    left = {"pytorch_model.bin": "old weights", "model.safetensors.index.json": "{}", "modeling_old.py": "x = 1"}
+    carried = {"README.md": "# card", "LICENSE": "terms", "chat_template.jinja": "{{ messages }}",
+               "USE_POLICY.md": "policy"}
+    left = {"pytorch_model.bin": "old weights", "model.safetensors.index.json": "{}", "modeling_old.py": "x = 1",
+            "rust_model.ot": "weights", "64-8bits.tflite": "weights", "model.onnx_data": "weights",
+            "trainer_state.json": "{}"}
     for name, text in {**carried, **left}.items():
         (tiny_gpt2 / name).write_text(text)
     (tiny_gpt2 / "original").mkdir()
@@ -168,6 +171,19 @@ def test_retrofit_carries_the_sources_other_files_but_not_its_weights_or_code(ti
         if destination != tiny_gpt2:
             assert not names & {*left, "original"}
         assert AutoModelForCausalLM.from_pretrained(destination).config.energy_gates is not None
+
+
+def test_retrofit_that_cannot_copy_the_other_files_is_a_one_line_error(tiny_gpt2, tmp_path, capsys, monkeypatch):
+    from hf_spectral.retrofit import cli
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    (tiny_gpt2 / "README.md").write_text("# card")
+    monkeypatch.setattr(cli.shutil, "copyfile", no_space)
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst")]) == 2
+    assert "cannot copy the other files of" in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".retrofit-")]
 
 
 def test_retrofit_refuses_a_destination_that_is_a_file(tiny_gpt2, tmp_path, capsys):

@@ -17,20 +17,23 @@ TOKENIZER_FILES = (
 )
 
 
-# Files of SRC that the copy does not take over: weights (the copy has its own, possibly sharded differently: a stale
-# shard index would send loading to missing files) and code (the copy carries the gated model's).
-NOT_CARRIED_SUFFIXES = (
-    ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json", ".py",
-)
+# Files of SRC that the copy takes over when saving the model and tokenizer did not write them: documents and small
+# metadata (model card, license, use policy, chat template, ...). Weights of any format (a checkpoint folder may hold
+# ONNX, TFLite, Rust or sharded copies: stale, gate-less and large) and code stay behind, as do subfolders.
+# Other JSON files stay behind: a shard index or an adapter_config.json would send loading the copy elsewhere.
+CARRIED_SUFFIXES = (".md", ".txt", ".jinja")
+CARRIED_PREFIXES = ("README", "LICENSE", "LICENCE", "NOTICE", "COPYING", "USE_POLICY")
+CARRIED_NAMES = ("chat_template.json",)
 
 
 def _carry_other_files(src: str, staging: str) -> list[str]:
-    """Copy the files at the top of SRC that saving the model and tokenizer did not write (model card, license,
-    chat template, ...) into ``staging``; subfolders and NOT_CARRIED_SUFFIXES stay behind. Returns the names."""
+    """Copy into ``staging`` the files at the top of SRC that it lacks and that CARRIED_SUFFIXES, CARRIED_PREFIXES
+    or CARRIED_NAMES name. Returns the names."""
     carried = []
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
-        if (not os.path.isfile(path) or name.endswith(NOT_CARRIED_SUFFIXES) or name.startswith(".")
+        wanted = name.endswith(CARRIED_SUFFIXES) or name.upper().startswith(CARRIED_PREFIXES) or name in CARRIED_NAMES
+        if (not wanted or name.startswith(".") or not os.path.isfile(path)
                 or os.path.exists(os.path.join(staging, name))):
             continue
         shutil.copyfile(path, os.path.join(staging, name))  # follows links: a Hub snapshot holds links to blobs
@@ -50,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-spectral retrofit",
         description="Add energy gates to the checkpoint in SRC (GPT-2, Llama, Mistral, Qwen2) and save it to DST. "
         "With the default alpha-init 0 the new model's outputs equal the original's. SRC's other files (model card, "
-        "license, chat template, ...) are copied along; its subfolders and other weight formats are not.",
+        "license, chat template, ...) are copied along; its weights in other formats, code and subfolders are not.",
     )
     parser.add_argument("src", help="checkpoint folder (config.json + weights)")
     parser.add_argument("dst", help="output folder (must not exist, unless --overwrite)")
@@ -145,7 +148,10 @@ def main(argv=None) -> int:
                 AutoTokenizer.from_pretrained(args.src).save_pretrained(staging)
             except (OSError, ValueError, TypeError) as error:
                 return _fail(f"cannot copy the tokenizer of {args.src}: {type(error).__name__}: {error}")
-        carried = _carry_other_files(args.src, staging)
+        try:
+            carried = _carry_other_files(args.src, staging)
+        except OSError as error:
+            return _fail(f"cannot copy the other files of {args.src}: {error}")
         apply_umask(staging)  # safetensors writes its files as 0600
         old = None
         if os.path.exists(args.dst):  # moved aside, and deleted only once the new folder is in place

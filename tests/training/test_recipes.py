@@ -220,13 +220,13 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_the_correc
 
     run_dir = tmp_path / "BASE-seed0"
     run_dir.mkdir()
-    (run_dir / RUN_SETTINGS_FILE).write_text(json.dumps({"max_steps": 8, "settings_version": 3}))
-    assert open_run_dir(str(tmp_path), "BASE-seed0", False, {"max_steps": 9, "settings_version": 3}) == (
+    (run_dir / RUN_SETTINGS_FILE).write_text(json.dumps({"max_steps": 8, "settings_version": 2}))
+    assert open_run_dir(str(tmp_path), "BASE-seed0", False, {"max_steps": 9, "settings_version": 2}) == (
         str(run_dir), None)
     assert json.loads((run_dir / RUN_SETTINGS_FILE).read_text())["max_steps"] == 9  # the new command's settings
     (run_dir / "checkpoint-4").mkdir()  # something to resume: now held to its settings
     with pytest.raises(SystemExit, match="\\(max_steps: 9 there, 10 now\\)"):
-        open_run_dir(str(tmp_path), "BASE-seed0", False, {"max_steps": 10, "settings_version": 3})
+        open_run_dir(str(tmp_path), "BASE-seed0", False, {"max_steps": 10, "settings_version": 2})
 
 
 def test_missing_data_and_a_file_as_output_folder_are_clear_errors(tmp_path, capsys):
@@ -259,10 +259,12 @@ def test_ptb_char_recipe_derives_char_files_and_reports_the_test_split(tiny_ptb_
     # A run completed without a test loss gets one from its saved model: the number its final evaluation gave
     summary_file = tmp_path / "out" / "EGA-1-causal-seed0" / "summary.json"
     summary_file.write_text(json.dumps({k: v for k, v in summary.items() if not k.startswith("test_")}))
+    (summary_file.parent / "README.md").unlink()  # its card is written again, with the test loss
     assert ptb_char.main(arguments) == 0
     assert "--eval_test: test loss" in capsys.readouterr().out
     assert _summary(tmp_path / "out" / "EGA-1-causal-seed0")["test_loss"] == pytest.approx(summary["test_loss"],
                                                                                          rel=1e-6)
+    assert "| test loss (nats/char) |" in (tmp_path / "out" / "EGA-1-causal-seed0" / "README.md").read_text()
     vocabulary = json.loads((tmp_path / "out" / "tokenizer" / "vocab.json").read_text())
     assert " " not in vocabulary and "_" in vocabulary  # joined format: no separator spaces
     config = json.loads((tmp_path / "out" / "results.json").read_text())["config"]

@@ -283,7 +283,8 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
     run_dir, done = open_run_dir(output_dir, spec.name, args.restart, settings, getattr(args, "push_to_hub", False))
     if done is not None:
         if getattr(args, "eval_test", False) and "test" in data.datasets and "test_loss" not in done:
-            done = add_test_loss(run_dir, done, spec, data, preset, args)
+            repo_id = hub_repo_id(args, spec.name, runs) if getattr(args, "push_to_hub", False) else "<user>/<repo>"
+            done = add_test_loss(run_dir, done, spec, data, preset, benchmark, args, repo_id)
         return done
 
     set_seed(spec.seed)  # the seed fixes the initial weights, the data order and the dropout masks
@@ -349,9 +350,10 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
     return summary
 
 
-def add_test_loss(run_dir: str, summary: dict, spec: RunSpec, data: LMData, preset: LMPreset, args) -> dict:
+def add_test_loss(run_dir: str, summary: dict, spec: RunSpec, data: LMData, preset: LMPreset, benchmark, args,
+                  repo_id: str) -> dict:
     """``--eval_test`` on a run completed without it: its saved model scores the test split as the final evaluation
-    of a new run would (the same trainer set-up and metrics), and its summary records the result."""
+    of a new run would (the same trainer set-up and metrics); its summary and model card record the result."""
     from transformers import AutoModelForCausalLM
 
     from .runs import build_trainer, is_main_process, write_json
@@ -365,6 +367,7 @@ def add_test_loss(run_dir: str, summary: dict, spec: RunSpec, data: LMData, pres
                "test_bits_per_char": metrics["eval_test_bits_per_char"]}
     print(f"[{spec.name}] --eval_test: test loss {summary['test_loss']:.4f} nats/char from the saved model", flush=True)
     if is_main_process():
+        write_card(run_dir, spec, preset, benchmark, summary, model, repo_id=repo_id)
         write_json(os.path.join(run_dir, "summary.json"), summary)
     return summary
 

@@ -51,9 +51,10 @@ def read_summary(run_dir: str) -> dict | None:
 
 
 RUN_SETTINGS_FILE = "run_settings.json"
-# 2: every option with an effect and the data's fingerprint; 3: the same for retrofit_gpt2 too (its pretrained model
-# and arms recorded neither). Files of an earlier version (none: 1) are checked against the keys they hold.
-RUN_SETTINGS_VERSION = 3
+# 2: every option with an effect and the data's fingerprint (for retrofit_gpt2's pretrained model and arms too: its
+# earlier files lack keys, so they are refused, naming them). Files without a version (1) hold the preset's numbers
+# and a few options; a run folder written then is checked against what its file holds.
+RUN_SETTINGS_VERSION = 2
 # Preset fields that do not change what a run computes: reusing its folder with other values is fine.
 PRESET_FIELDS_WITHOUT_EFFECT = ("description", "variants", "arms", "seeds", "save_steps", "logging_steps")
 
@@ -112,8 +113,7 @@ def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | Non
     if settings is not None and reusable and os.path.isfile(settings_path):
         with open(settings_path, encoding="utf-8") as handle:
             recorded = json.load(handle)
-        current = recorded.get("settings_version") == RUN_SETTINGS_VERSION
-        compared = set(recorded) | set(settings) if current else set(recorded)
+        compared = set(recorded) | set(settings) if "settings_version" in recorded else set(recorded)
         differences = [f"{key}: {recorded.get(key)!r} there, {settings.get(key)!r} now"
                        for key in sorted(compared) if recorded.get(key) != settings.get(key)]
         if differences:
