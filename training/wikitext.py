@@ -253,14 +253,17 @@ def task_for(corpus: str) -> ChiarTask:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    corpus = "wikitext-103" if "wikitext-103" in argv else "wikitext-2"
-    if "--evaluate_model" in argv:
-        from .common.chiar_experiment import build_parser
+    from .common.chiar_experiment import build_parser
 
-        args, _ = build_parser(task_for(corpus), __doc__).parse_known_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The corpus names the task (title, paper numbers) and --evaluate_model the mode: read as the recipe's own parser
+    # reads them (--corpus=..., abbreviations), not by looking for the strings (an --output_dir may be "wikitext-103").
+    args, _ = build_parser(task_for("wikitext-2"), __doc__).parse_known_args(argv)
+    task = task_for(args.corpus)
+    if args.evaluate_model:
+        args, _ = build_parser(task, __doc__).parse_known_args(argv)
         return evaluate_saved_model(args)
-    return run_recipe(argv, task_for(corpus), __doc__)
+    return run_recipe(argv, task, __doc__)
 
 
 if __name__ == "__main__":

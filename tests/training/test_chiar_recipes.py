@@ -116,12 +116,20 @@ def test_saved_wikitext_model_and_tokenizer_load_with_auto_classes(wikitext_run)
     assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tokenizer))
 
 
+def test_the_wikitext_task_follows_the_parsed_corpus_option(monkeypatch):
+    """Not the strings in argv: --corpus=wikitext-103 is WikiText-103, an --output_dir named wikitext-103 is not."""
+    monkeypatch.setattr(wikitext, "run_recipe", lambda argv, task, description: task.title)
+    assert wikitext.main(["--smoke", "--corpus=wikitext-103"]) == "WikiText-103"
+    assert wikitext.main(["--smoke", "--corp", "wikitext-103"]) == "WikiText-103"
+    assert wikitext.main(["--smoke", "--output_dir", "wikitext-103"]) == "WikiText-2"
+
+
 def test_wikitext_evaluates_a_saved_model_on_a_folder_with_only_the_test_split(wikitext_run, tmp_path, capsys):
     only_test = tmp_path / "only_test"
     only_test.mkdir()
     (only_test / "wiki.test.tokens").write_text((wikitext_run["data"] / "wiki.test.tokens").read_text())
     run_dir = wikitext_run["out"] / "threshold-seed0"
-    assert wikitext.main(["--evaluate_model", str(run_dir), "--data_path", str(only_test),
+    assert wikitext.main([f"--evaluate_model={run_dir}", "--data_path", str(only_test),  # (the = form too)
                           "--output_dir", str(tmp_path / "eval"), "--final_eval_batches", "3", "--batch_size", "4",
                           *THREADS]) == 0
     found = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
