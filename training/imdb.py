@@ -26,7 +26,7 @@ import random
 import sys
 
 from .common.chiar_experiment import ChiarTask, TaskData, run_recipe
-from .common.presets import LMPreset
+from .common.presets import LMPreset, positive_int
 
 PRESETS = {
     "authors": LMPreset(
@@ -57,11 +57,12 @@ def add_arguments(parser):
     group.add_argument("--dataset_config", help="its configuration")
     group.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe")
     group.add_argument("--tokenizer_name_or_path", help="a local tokenizer folder instead")
-    group.add_argument("--bpe_vocab_size", type=int, help="ids of the trained BPE (default 8192; cpu 4096; smoke 512)")
-    group.add_argument("--validation_examples", type=int, default=1000,
+    group.add_argument("--bpe_vocab_size", type=positive_int,
+                       help="ids of the trained BPE (default 8192; cpu 4096; smoke 512)")
+    group.add_argument("--validation_examples", type=positive_int, default=1000,
                        help="training reviews held out for the validation curve (default 1000)")
-    group.add_argument("--max_train_examples", type=int, help="a fixed random subset of the training reviews")
-    group.add_argument("--max_test_examples", type=int, help="a fixed random subset of the test reviews "
+    group.add_argument("--max_train_examples", type=positive_int, help="a fixed random subset of the training reviews")
+    group.add_argument("--max_test_examples", type=positive_int, help="a fixed random subset of the test reviews "
                        "(default: the whole test split; 64 with --smoke, which also takes 512 training and at most 64 "
                        "validation reviews unless given)")
     group.add_argument("--keep_html", action="store_true", help="keep the <br /> tags")

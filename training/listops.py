@@ -23,7 +23,7 @@ import os
 import sys
 
 from .common.chiar_experiment import ChiarTask, TaskData, run_recipe
-from .common.presets import LMPreset
+from .common.presets import LMPreset, positive_int
 
 PRESETS = {
     "authors": LMPreset(
@@ -55,7 +55,7 @@ def add_arguments(parser):
     group.add_argument("--test_file", help="test examples")
     group.add_argument("--setting", choices=["original", "lra"], default="original",
                        help="generator settings for the splits not given as files (default: original)")
-    group.add_argument("--generate_sizes", type=int, nargs=3, metavar=("TRAIN", "VALIDATION", "TEST"),
+    group.add_argument("--generate_sizes", type=positive_int, nargs=3, metavar=("TRAIN", "VALIDATION", "TEST"),
                        help="generated examples per split (default: cpu 10000 500 1000; smoke 400 64 128; "
                             "else the setting's: original 90000 1000 10000, lra 96000 2000 2000)")
     group.add_argument("--data_seed", type=int, default=0, help="seed of the generator (default 0)")

@@ -31,7 +31,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from .common.presets import recipe_prog
+from .common.presets import positive_int, recipe_prog
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
@@ -300,9 +300,9 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="write train / validation / test TSV files")
     gen.add_argument("--setting", choices=sorted(SETTINGS), default="original")
-    gen.add_argument("--train", type=int, help="training examples (default: the setting's)")
-    gen.add_argument("--validation", type=int, help="validation examples (default: the setting's)")
-    gen.add_argument("--test", type=int, help="test examples (default: the setting's)")
+    gen.add_argument("--train", type=positive_int, help="training examples (default: the setting's)")
+    gen.add_argument("--validation", type=positive_int, help="validation examples (default: the setting's)")
+    gen.add_argument("--test", type=positive_int, help="test examples (default: the setting's)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--output_dir", required=True)
     check = commands.add_parser("check", help="re-evaluate every label of TSV files (either format)")

@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .common.jobs import run_logged, stop_running
-from .common.presets import positive_int, recipe_prog
+from .common.presets import non_negative_int, positive_int, recipe_prog
 
 BENCHMARKS = ("wikitext", "listops", "imdb")
 WIKITEXT_ARMS = ("attention", "threshold", "hard", "3op", "threshold@all", "hard@all", "3op@all", "dct")
@@ -61,6 +61,23 @@ def recipe_command(args, benchmark: str, seed: int) -> list:
     if benchmark == "imdb" and args.imdb_test_examples:
         command += ["--max_test_examples", str(args.imdb_test_examples)]
     return command + list(args.recipe_args)
+
+
+def check_plan(args, parser: argparse.ArgumentParser) -> None:
+    """A preset or an arm that a recipe would refuse is a usage error here, before any recipe process starts."""
+    import importlib
+
+    from .common.chiar_experiment import parse_arm
+
+    for benchmark in args.benchmarks:
+        presets = importlib.import_module(f"{__package__}.{benchmark}").PRESETS
+        if args.preset not in presets:
+            parser.error(f"--preset {args.preset}: {benchmark} has the presets {', '.join(sorted(presets))}")
+        for arm in arms_of(args, benchmark):
+            try:
+                parse_arm(arm)
+            except argparse.ArgumentTypeError as error:
+                parser.error(f"--{benchmark}_arms: {error}")
 
 
 def complete(args, benchmark: str, seed: int) -> bool:
@@ -192,25 +209,28 @@ def main(argv=None) -> int:
     parser.add_argument("--wikitext_arms", nargs="+", default=list(WIKITEXT_ARMS))
     parser.add_argument("--listops_arms", nargs="+", default=list(CLASSIFICATION_ARMS))
     parser.add_argument("--imdb_arms", nargs="+", default=list(CLASSIFICATION_ARMS))
-    parser.add_argument("--imdb_test_examples", type=int, default=1000,
+    parser.add_argument("--imdb_test_examples", type=non_negative_int, default=1000,
                         help="fixed random subset of the IMDB test split (default 1000; 0 = all 25,000)")
     parser.add_argument("--preset", default="cpu", help="recipe preset of every run (default: cpu)")
     parser.add_argument("--jobs", type=positive_int, default=1, help="recipe processes at once (default 1)")
     parser.add_argument("--threads", type=positive_int, default=2, help="torch threads per process (default 2)")
     parser.add_argument("--output_dir", default="runs/chiar_reproduction")
     parser.add_argument("--results_dir", default="results/chiar")
-    parser.add_argument("--dry_run", action="store_true", help="print the commands and exit")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="print the commands and exit; [finished]: every run folder holds a summary (the recipe "
+                             "still reuses a run only if made with the command's settings)")
     parser.add_argument("--aggregate_only", action="store_true", help="only rebuild the tables from finished runs")
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER,
                         help="after `--`: further options for every recipe run")
     args = parser.parse_args(argv)
     if args.recipe_args and args.recipe_args[0] == "--":
         args.recipe_args = args.recipe_args[1:]
+    check_plan(args, parser)
     args.command = " ".join(["python -m training.reproduce_chiar"] + list(argv if argv is not None else sys.argv[1:]))
     plan = planned(args)
     if args.dry_run:
         for benchmark, seed in plan:
-            state = "done" if complete(args, benchmark, seed) else "pending"
+            state = "finished" if complete(args, benchmark, seed) else "pending"
             print(f"[{state}] {' '.join(recipe_command(args, benchmark, seed))}")
         return 0
     failed = []

@@ -28,7 +28,7 @@ import os
 import sys
 
 from .common.chiar_experiment import ChiarTask, TaskData, run_recipe
-from .common.presets import LMPreset
+from .common.presets import LMPreset, positive_int
 
 CORPORA = {
     "wikitext-2": {"folder": "wikitext-2", "env": "WIKITEXT2_PATH", "hub": ("Salesforce/wikitext", "wikitext-2-v1")},
@@ -77,7 +77,7 @@ def add_arguments(parser):
     group.add_argument("--dataset_config", help="its configuration (e.g. wikitext-103-v1, wikitext-2-raw-v1)")
     group.add_argument("--text_column", default="text")
     group.add_argument("--tokenizer_name_or_path", help="a local tokenizer folder instead of training a BPE")
-    group.add_argument("--bpe_vocab_size", type=int,
+    group.add_argument("--bpe_vocab_size", type=positive_int,
                        help="ids of the trained BPE (default: authors preset 50257 as GPT-2, cpu 2048, smoke 512)")
     group.add_argument("--evaluate_model", metavar="MODEL_DIR",
                        help="no training: evaluate this saved model (with its tokenizer) on the splits found")

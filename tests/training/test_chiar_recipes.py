@@ -116,6 +116,15 @@ def test_saved_wikitext_model_and_tokenizer_load_with_auto_classes(wikitext_run)
     assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tokenizer))
 
 
+def test_a_finished_run_is_reused_under_options_without_effect(wikitext_run, capsys):
+    """The preset's BPE size given explicitly, a TrainingArguments field that only changes the display, the data
+    loader's workers: the same runs (they had been refused as made with other settings)."""
+    assert wikitext.main(["--smoke", "--data_path", str(wikitext_run["data"]), "--output_dir", str(wikitext_run["out"]),
+                          "--arms", "attention", "threshold", *THREADS, "--bpe_vocab_size", "512",
+                          "--disable_tqdm", "true", "--dataloader_num_workers", "1", "--no_plots"]) == 0
+    assert capsys.readouterr().out.count("complete already") == 2
+
+
 def test_the_wikitext_task_follows_the_parsed_corpus_option(monkeypatch):
     """Not the strings in argv: --corpus=wikitext-103 is WikiText-103, an --output_dir named wikitext-103 is not."""
     monkeypatch.setattr(wikitext, "run_recipe", lambda argv, task, description: task.title)
@@ -257,6 +266,10 @@ def test_training_arguments_fields_pass_through_the_command_line():
          "threshold needs a routed layer, but the authors' layout with 2 layers has none"),
         (["--config_overrides", "tau_mid=0.5"], "--config_overrides tau_mid: threshold calibrates its thresholds"),
         (["--config_overrides", "tau_mdi=0.5"], "unknown keyword(s) `tau_mdi` (did you mean `tau_mid`?)"),
+        (["--recalibrate_steps", "-1"], "argument --recalibrate_steps: must be an integer >= 0, got -1"),
+        (["--routing_batches", "0"], "argument --routing_batches: must be a positive integer, got 0"),
+        (["--calibration_batches", "0"], "argument --calibration_batches: must be a positive integer, got 0"),
+        (["--bpe_vocab_size", "0"], "argument --bpe_vocab_size: must be a positive integer, got 0"),
     ],
 )
 def test_bad_chiar_options_are_usage_errors(arguments, message, tmp_path, capsys):
@@ -265,6 +278,35 @@ def test_bad_chiar_options_are_usage_errors(arguments, message, tmp_path, capsys
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "recipe, arguments, message",
+    [
+        (imdb, ["--max_test_examples", "0"], "argument --max_test_examples: must be a positive integer, got 0"),
+        (imdb, ["--validation_examples", "-1"], "argument --validation_examples: must be a positive integer"),
+        (listops, ["--generate_sizes", "10", "0", "10"], "argument --generate_sizes: must be a positive integer"),
+    ],
+)
+def test_bad_data_sizes_are_usage_errors(recipe, arguments, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        recipe.main(["--smoke", "--output_dir", str(tmp_path / "out"), *arguments])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [(["--preset", "foo"], "--preset foo: wikitext has the presets"),
+     (["--listops_arms", "sideways"], "--listops_arms: unknown arm 'sideways'")],
+)
+def test_a_reproduction_with_a_preset_or_arm_no_recipe_takes_is_a_usage_error(arguments, message, tmp_path, capsys):
+    from training import reproduce_chiar
+
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce_chiar.main([*arguments, "--output_dir", str(tmp_path / "runs"), "--dry_run"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_an_output_folder_that_cannot_be_made_is_a_clear_error(capsys):

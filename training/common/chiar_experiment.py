@@ -30,6 +30,7 @@ from .presets import (
     LMPreset,
     add_output_arguments,
     check_training_arguments,
+    non_negative_int,
     percentage,
     positive_int,
     recipe_prog,
@@ -206,10 +207,11 @@ def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
     group.add_argument("--calibration_percentiles", type=percentage, nargs="+",
                        help="entropy percentiles for the thresholds: one (2 operators; default 75, ≈ 25%% of tokens "
                             "to attention) or two (3 operators; default the authors' 33 67)")
-    group.add_argument("--calibration_batches", type=int, default=8, help="training batches measured by calibration")
+    group.add_argument("--calibration_batches", type=positive_int, default=8,
+                       help="training batches measured by calibration")
     group.add_argument("--per_layer_thresholds", action="store_true",
                        help="calibrate one threshold set per routed layer (default: one shared set, as the authors)")
-    group.add_argument("--recalibrate_steps", type=int, default=0,
+    group.add_argument("--recalibrate_steps", type=non_negative_int, default=0,
                        help="recalibrate the thresholds every N steps during training (default 0: once, before)")
     group.add_argument("--config_overrides", nargs="+", metavar="KEY=VALUE", default=[],
                        help="any other ChiarConfig field, VALUE as JSON (e.g. rope_theta=500000 rbf_gamma=0.001)")
@@ -231,7 +233,7 @@ def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
         ("logging_steps", int, "steps between training log lines (routing fractions, FLOPs, loss)"),
     ):
         group.add_argument(f"--{name}", type=kind, help=text)
-    group.add_argument("--routing_batches", type=int, default=4,
+    group.add_argument("--routing_batches", type=positive_int, default=4,
                        help="validation batches for the final routing fractions and FLOPs (default 4)")
     group.add_argument("--seeds", type=int, nargs="+", help="one run per seed and arm (default: the preset's)")
     group.add_argument("--threads", type=positive_int,
@@ -608,13 +610,14 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
     from .data import fixed_subset
     from .presets import training_arguments
     from .runs import (
-        barrier, check_replicas_agree, data_fingerprint, hub_repo_id, is_main_process, open_run_dir, print_stopped,
-        run_settings, train_from, write_json,
+        TRAINING_ARGUMENTS_WITHOUT_EFFECT, barrier, check_replicas_agree, data_fingerprint, hub_repo_id,
+        is_main_process, open_run_dir, print_stopped, run_settings, train_from, write_json,
     )
     from .trainer import last_complete_checkpoint, remove_checkpoints
 
+    effective = {k: v for k, v in training_overrides.items() if k not in TRAINING_ARGUMENTS_WITHOUT_EFFECT}
     settings = run_settings(preset, args, data_fingerprint(data.tokenizer, data.datasets),
-                            training_overrides=training_overrides)
+                            training_overrides=effective)
     run_dir, done = open_run_dir(output_dir, arm.name, args.restart, settings, getattr(args, "push_to_hub", False))
     if done is not None:
         return done
@@ -943,6 +946,9 @@ def write_experiment_results(output_dir: str, summaries: list, task: ChiarTask, 
              "(`count_flops`). 'val curve @ N s': the validation-curve "
              f"{curve_key.replace('eval_validation_curve_', '')} at the training time of the run whose curve ends first (equal "
              f"wall-clock); '@ last step': at equal steps. Paper (SPEC 2.3, the authors' scale): {task.paper_metric}.")
+    if preset.final_eval_batches:
+        notes += (f" Final numbers of each split on a fixed subset of {preset.final_eval_batches} batches "
+                  f"({preset.final_eval_batches * preset.batch_size} blocks or examples), not the whole split.")
     config = {"preset": preset_name, **preset.to_dict(), "data": data.info,
               **{k: getattr(args, k) for k in ("layer_norm_position", "routed_execution", "calibration_percentiles",
                                                "calibration_batches", "per_layer_thresholds", "recalibrate_steps",

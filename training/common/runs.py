@@ -59,6 +59,15 @@ RUN_SETTINGS_VERSION = 2
 PRESET_FIELDS_WITHOUT_EFFECT = ("description", "variants", "arms", "seeds", "save_steps", "logging_steps")
 
 
+# Options that shape the data or the tokenizer: their effect is recorded through the data's fingerprint (resolved,
+# where an option may be left to the preset's defaults), and an earlier settings file that holds them is not compared
+# on them.
+DATA_SHAPING_OPTIONS = frozenset({
+    "corpus", "tokenizer", "bpe_vocab_size", "validation_examples", "max_train_examples", "max_test_examples",
+    "keep_html", "setting", "generate_sizes", "data_seed", "keep_brackets",
+})
+
+
 # Command-line options that do not change what a run computes: where its data are read from (the data are recorded
 # by their fingerprint instead) and its results written, how fast it runs, what is reported or uploaded, which runs
 # an invocation makes (the run's name holds its variant or arm and seed), and the preset's own numbers (recorded as
@@ -67,10 +76,23 @@ OPTIONS_WITHOUT_EFFECT = frozenset({
     "output_dir", "results_dir", "restart", "stop_after_steps", "keep_checkpoints", "no_plots", "push_to_hub",
     "hub_model_id", "hub_token", "hub_private_repo", "hub_strategy", "report_to", "threads", "no_download",
     "data_path", "dataset_name", "dataset_config", "text_column", "train_file", "validation_file", "test_file",
-    "pretrain_data_path", "finetune_data_path",
+    "pretrain_data_path", "finetune_data_path", *DATA_SHAPING_OPTIONS,
     "tokenizer_name_or_path", "preset", "smoke", "seeds", "variants", "normalization", "arms", "evaluate_model",
     "eval_test",  # scores the test split once training is done
     *LMPreset.__dataclass_fields__,
+})
+
+
+# TrainingArguments fields (given through a recipe's pass-through options) that change how a run is shown, logged,
+# stored or fed, not what it computes.
+TRAINING_ARGUMENTS_WITHOUT_EFFECT = frozenset({
+    "disable_tqdm", "logging_dir", "logging_strategy", "logging_first_step", "logging_nan_inf_filter", "log_level",
+    "log_level_replica", "log_on_each_node", "report_to", "run_name", "project", "trackio_space_id",
+    "save_total_limit", "save_safetensors", "save_on_each_node", "save_only_model", "overwrite_output_dir",
+    "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
+    "skip_memory_metrics", "include_num_input_tokens_seen", "include_tokens_per_second", "ddp_timeout",
+    "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
+    "hub_revision",
 })
 
 
@@ -113,7 +135,8 @@ def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | Non
     if settings is not None and reusable and os.path.isfile(settings_path):
         with open(settings_path, encoding="utf-8") as handle:
             recorded = json.load(handle)
-        compared = set(recorded) | set(settings) if "settings_version" in recorded else set(recorded)
+        compared = (set(recorded) | set(settings) if "settings_version" in recorded else set(recorded))
+        compared -= DATA_SHAPING_OPTIONS
         differences = [f"{key}: {recorded.get(key)!r} there, {settings.get(key)!r} now"
                        for key in sorted(compared) if recorded.get(key) != settings.get(key)]
         if differences:
