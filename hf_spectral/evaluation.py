@@ -2,9 +2,9 @@
 
 A model whose outputs at position i may depend on later tokens (EGA with ``window`` statistics, SPEC 1.2) gets a
 validation loss from an ordinary forward pass that generation can never reach. ``leak_free_logits`` predicts each
-position from its prefix only, exactly as cached generation does: tokens are fed one at a time (or in chunks for
-models that are causal anyway), each step seeing the KV cache of the steps before. For a truly causal model
-the result equals the ordinary forward pass (tested), so the two losses differ only by what leaked.
+position from its prefix only, exactly as cached generation does: tokens are fed one at a time, each step seeing
+the KV cache of the steps before (one forward pass per position, whatever the model). For a truly causal model the
+result equals the ordinary forward pass (tested), so the two losses differ only by what leaked.
 """
 
 from contextlib import contextmanager
@@ -33,15 +33,16 @@ def _checked_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
 
 @contextmanager
 def evaluation_mode(model):
-    """The model in evaluation mode (no dropout) and without gradients for the block, back in its own mode after
-    it, also on an error."""
-    was_training = model.training
+    """The model in evaluation mode (no dropout) and without gradients for the block; afterwards, also on an error,
+    every submodule is back in its own mode (a model training with some blocks frozen in eval mode stays so)."""
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
             yield
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
 
 
 @torch.no_grad()

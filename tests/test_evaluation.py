@@ -37,6 +37,12 @@ def test_evaluation_runs_without_dropout_and_restores_the_mode_also_on_error():
     with pytest.raises(ValueError, match="attention_mask must have the shape of input_ids"):
         causal_lm_losses(model, ids, torch.ones(2, 5, dtype=torch.long))
     assert model.training
+    # Mixed modes come back as they were: a block frozen in eval mode inside a training model stays in eval mode.
+    model.transformer.h[0].eval()
+    modes = {name: module.training for name, module in model.named_modules()}
+    causal_lm_losses(model, ids)
+    assert {name: module.training for name, module in model.named_modules()} == modes
+    assert not model.transformer.h[0].attn.attn_dropout.training and model.transformer.h[1].training
 
 
 @pytest.mark.parametrize("ids, message", [

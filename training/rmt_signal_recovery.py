@@ -575,10 +575,11 @@ def run_model(preset, out, energy_normalization):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def write_readme(out, args, seconds, results):
+def write_readme(out, args, started, results):
     def verdict(flag):
         return "holds" if flag else "does not hold"
 
+    seconds = time.time() - started
     lines = [
         "# Attention as signal recovery: reproduction (SPEC section 3)",
         "",
@@ -677,7 +678,10 @@ def write_readme(out, args, seconds, results):
         ]
     else:
         lines.append("- skipped (`--skip-model`).")
-    lines += ["", "## Files", ""] + [f"- `{name}`" for name in sorted(os.listdir(out)) if name != "README.md"]
+    # This run's files only: a folder written before (another command, --skip-model) may hold others.
+    written = [name for name in sorted(os.listdir(out))
+               if name != "README.md" and os.path.getmtime(os.path.join(out, name)) >= math.floor(started)]
+    lines += ["", "## Files", ""] + [f"- `{name}`" for name in written]
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as handle:
         handle.write("\n".join(lines) + "\n")
 
@@ -689,7 +693,7 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="toy sizes, every step, under a minute")
     parser.add_argument("--out", default=None, help="output folder (default results/rmt, or runs/rmt_smoke with --smoke)")
     parser.add_argument("--seeds", type=positive_int, default=None,
-                        help="number of seeds for the outlier checks (default 8)")
+                        help="number of seeds for the outlier checks (default 8; 2 with --smoke)")
     parser.add_argument("--skip-model", action="store_true", help="skip the EGA-GPT part (no torch training)")
     parser.add_argument("--energy-normalization", default="causal", choices=("causal", "window", "none"),
                         help="EGA gate statistics of the model part (default: the project's causal default)")
@@ -697,6 +701,8 @@ def main(argv=None):
     mode = "smoke" if args.smoke else "full"
     preset = PRESETS[mode]
     out = args.out or ("runs/rmt_smoke" if args.smoke else "results/rmt")
+    if os.path.exists(out) and not os.path.isdir(out):
+        parser.error(f"--out {out} exists and is not a folder")
     os.makedirs(out, exist_ok=True)
     seeds = tuple(range(args.seeds)) if args.seeds else preset["seeds"]
     from .results import current_command
@@ -722,7 +728,7 @@ def main(argv=None):
         t0 = time.time()
         step()
         print(f"   done in {time.time() - t0:.1f} s", flush=True)
-    write_readme(out, args, time.time() - start, results)
+    write_readme(out, args, start, results)
     print(f"\nwrote {out}/README.md in {(time.time() - start) / 60:.1f} min")
     return results
 
