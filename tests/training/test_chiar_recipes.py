@@ -79,6 +79,9 @@ def test_wikitext_smoke_writes_models_tokenizer_card_results_and_figures(wikitex
 
 def test_wikitext_summary_reports_perplexities_routing_flops_and_step_times(wikitext_run):
     base, routed = (_summary(wikitext_run["out"] / run) for run in ("attention-seed0", "threshold-seed0"))
+    # the smoke preset scores at most final_eval_batches of each split, and the results say so
+    notes = (wikitext_run["out"] / "results.md").read_text()
+    assert "at most 3 batches (12 blocks), not necessarily the whole split" in notes
     for summary in (base, routed):
         for split in ("validation", "test"):
             loss = summary[f"{split}_loss"]
@@ -193,6 +196,8 @@ def test_imdb_smoke_trains_a_bidirectional_hard_routed_encoder(tmp_path):
     assert summary["test_examples"] == 64 and 0 <= summary["test_accuracy"] <= 1
     assert summary["data"]["examples"] == {"train": 170, "validation": 30, "test": 64}
     assert "calibration" not in summary, "the hard router has no thresholds to calibrate"
+    notes = (out / "results.md").read_text()  # every example of a split is scored; the test split is a subset
+    assert "not necessarily the whole split" not in notes and "fixed random subset of the benchmark's test" in notes
     assert (out / "hard-seed0" / "routing_map.png").is_file()
 
 
@@ -260,6 +265,7 @@ def test_training_arguments_fields_pass_through_the_command_line():
         (["--config_overrides", "rope_theta"], "--config_overrides takes KEY=VALUE, got 'rope_theta'"),
         (["--not_a_field", "3"], "neither a recipe option nor a TrainingArguments field: not_a_field"),
         (["--eval_strategy", "no"], "--eval_strategy is set by the recipe; use --eval_steps"),
+        (["--save_only_model", "true"], "--save_only_model is not supported: a resumed run needs its optimiser"),
         (["--seeds", "-1"], "--seeds must be integers in [0, 2**32 - 1], got -1"),
         # Every arm's configuration is checked before the first arm trains, not when its turn comes.
         (["--arms", "attention", "threshold", "--num_hidden_layers", "2"],

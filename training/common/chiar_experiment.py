@@ -254,6 +254,8 @@ RECIPE_TRAINING_FIELDS = {
     "--batch_size", "per_device_eval_batch_size": "--batch_size", "eval_strategy": "--eval_steps",
     "save_strategy": "--save_steps",
 }
+# Fields a recipe cannot honour: resuming needs complete checkpoints (optimiser, scheduler and random states).
+REFUSED_TRAINING_FIELDS = {"save_only_model": "a resumed run needs its optimiser, scheduler and random states"}
 
 
 def parse_training_overrides(rest: list) -> dict:
@@ -272,6 +274,9 @@ def parse_training_overrides(rest: list) -> dict:
     taken = [name for name in names if name in RECIPE_TRAINING_FIELDS]
     if taken:
         raise ValueError(f"--{taken[0]} is set by the recipe; use {RECIPE_TRAINING_FIELDS[taken[0]]}")
+    refused = [name for name in names if name in REFUSED_TRAINING_FIELDS]
+    if refused:
+        raise ValueError(f"--{refused[0]} is not supported: {REFUSED_TRAINING_FIELDS[refused[0]]}")
     parsed, extra = HfArgumentParser(TrainingArguments).parse_known_args(rest)
     if extra:
         raise ValueError(f"could not parse the TrainingArguments options {' '.join(extra)}")
@@ -946,9 +951,11 @@ def write_experiment_results(output_dir: str, summaries: list, task: ChiarTask, 
              "(`count_flops`). 'val curve @ N s': the validation-curve "
              f"{curve_key.replace('eval_validation_curve_', '')} at the training time of the run whose curve ends first (equal "
              f"wall-clock); '@ last step': at equal steps. Paper (SPEC 2.3, the authors' scale): {task.paper_metric}.")
-    if preset.final_eval_batches:
-        notes += (f" Final numbers of each split on a fixed subset of {preset.final_eval_batches} batches "
-                  f"({preset.final_eval_batches * preset.batch_size} blocks or examples), not the whole split.")
+    if preset.final_eval_batches and task.kind == "lm":  # (classification scores every example of its splits)
+        notes += (f" Final numbers of each split on a fixed subset of at most {preset.final_eval_batches} batches "
+                  f"({preset.final_eval_batches * preset.batch_size} blocks), not necessarily the whole split.")
+    if data.info.get("test_subset"):
+        notes += " The test split is a fixed random subset of the benchmark's test examples (see `data`)."
     config = {"preset": preset_name, **preset.to_dict(), "data": data.info,
               **{k: getattr(args, k) for k in ("layer_norm_position", "routed_execution", "calibration_percentiles",
                                                "calibration_batches", "per_layer_thresholds", "recalibrate_steps",

@@ -86,11 +86,11 @@ OPTIONS_WITHOUT_EFFECT = frozenset({
 # TrainingArguments fields (given through a recipe's pass-through options) that change how a run is shown, logged,
 # stored or fed, not what it computes.
 TRAINING_ARGUMENTS_WITHOUT_EFFECT = frozenset({
-    "disable_tqdm", "logging_dir", "logging_strategy", "logging_first_step", "logging_nan_inf_filter", "log_level",
+    "disable_tqdm", "logging_strategy", "logging_first_step", "logging_nan_inf_filter", "log_level",
     "log_level_replica", "log_on_each_node", "report_to", "run_name", "project", "trackio_space_id",
-    "save_total_limit", "save_safetensors", "save_on_each_node", "save_only_model", "overwrite_output_dir",
-    "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
-    "skip_memory_metrics", "include_num_input_tokens_seen", "include_tokens_per_second", "ddp_timeout",
+    "save_total_limit", "save_on_each_node", "dataloader_num_workers", "dataloader_pin_memory",
+    "dataloader_persistent_workers", "dataloader_prefetch_factor", "skip_memory_metrics",
+    "include_num_input_tokens_seen", "ddp_timeout",
     "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
     "hub_revision",
 })
@@ -135,8 +135,9 @@ def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | Non
     if settings is not None and reusable and os.path.isfile(settings_path):
         with open(settings_path, encoding="utf-8") as handle:
             recorded = json.load(handle)
-        compared = (set(recorded) | set(settings) if "settings_version" in recorded else set(recorded))
-        compared -= DATA_SHAPING_OPTIONS
+        compared = set(recorded) | set(settings) if "settings_version" in recorded else set(recorded)
+        if "data" in recorded:  # the data's fingerprint holds what these options did
+            compared -= DATA_SHAPING_OPTIONS
         differences = [f"{key}: {recorded.get(key)!r} there, {settings.get(key)!r} now"
                        for key in sorted(compared) if recorded.get(key) != settings.get(key)]
         if differences:
