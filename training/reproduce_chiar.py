@@ -9,7 +9,7 @@ per benchmark beside the paper's numbers (SPEC 2.3).
 Arms: WikiText-2 (``--wikitext_arms``): the all-attention baseline, CHIAR DCT+Attn with the threshold and the hard
 router and the 3-operator variant, each in the authors' layout (DCT / routed / routed / attention) and with every
 layer routed (``@all``), and the control with DCT mixing in every layer (``dct``: no token mixing at all, a
-learned unigram model); ListOps and IMDB (``--listops_arms``, ``--imdb_arms``): the authors' layout only. Every
+learned bigram model); ListOps and IMDB (``--listops_arms``, ``--imdb_arms``): the authors' layout only. Every
 arm with ``--seeds`` (default 0 1 2), at each recipe's ``cpu`` preset. One recipe process per (benchmark, seed)
 trains that seed's arms, logging to ``<output_dir>/logs/``; ``--jobs`` processes run at once. Finished runs are
 skipped, so the command can be rerun at any time; the tables are written from whatever runs are complete (missing

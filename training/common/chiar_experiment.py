@@ -214,7 +214,8 @@ def build_parser(task: ChiarTask, description: str) -> argparse.ArgumentParser:
     group.add_argument("--recalibrate_steps", type=non_negative_int, default=0,
                        help="recalibrate the thresholds every N steps during training (default 0: once, before)")
     group.add_argument("--config_overrides", nargs="+", metavar="KEY=VALUE", default=[],
-                       help="any other ChiarConfig field, VALUE as JSON (e.g. rope_theta=500000 rbf_gamma=0.001)")
+                       help="any other ChiarConfig field (not one an arm or an option sets), VALUE as JSON (e.g. "
+                            "rope_theta=500000 rbf_gamma=0.001)")
     if task.kind == "classification":
         group.add_argument("--classifier_pooling", choices=["mean", "last", "learned", "rmt_optimal"], default="mean")
     group = parser.add_argument_group("training")
@@ -418,6 +419,18 @@ def count_sequence_flops(config, shape, decisions, attention_mask, lm: bool) -> 
 
 # Thresholds that calibration writes: given in --config_overrides for a calibrated arm, they would be replaced.
 CALIBRATED_FIELDS = ("tau_mid", "tau_lo", "tau_hi", "layer_thresholds")
+# ChiarConfig fields the recipe sets itself, and from what: --config_overrides would otherwise change what an arm
+# is (an "attention" baseline made routed) or a size while the run is reported under the arm's name and options.
+RECIPE_CONFIG_FIELDS = {
+    **dict.fromkeys(("layer_operators", "router_type", "routed_operators"), "--arms"),
+    **dict.fromkeys(("vocab_size", "pad_token_id", "eos_token_id", "bos_token_id"), "the tokenizer"),
+    "is_causal": "the task", "num_labels": "the data", "max_position_embeddings": "--context_length",
+    "hidden_dropout": "--dropout",
+    **{name: f"--{name}" for name in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "layer_norm_position",
+        "routed_execution", "dct_implementation", "rbf_num_features", "router_usage_entropy_weight",
+        "classifier_pooling")},
+}
 
 
 def arm_config(arm: Arm, preset: LMPreset, args, task: ChiarTask, data: TaskData):
@@ -443,6 +456,9 @@ def arm_config(arm: Arm, preset: LMPreset, args, task: ChiarTask, data: TaskData
         settings.update(num_labels=data.num_labels, classifier_pooling=args.classifier_pooling)
     overrides = parse_config_overrides(args.config_overrides)
     check_known_keys(ChiarConfig, overrides, "--config_overrides")  # a misspelt key would only be warned about
+    taken = [key for key in overrides if key in RECIPE_CONFIG_FIELDS]
+    if taken:
+        raise ValueError(f"--config_overrides {taken[0]}: the recipe sets it from {RECIPE_CONFIG_FIELDS[taken[0]]}")
     calibrated = [key for key in CALIBRATED_FIELDS if key in overrides]
     if arm.needs_calibration and calibrated:
         raise ValueError(f"--config_overrides {', '.join(calibrated)}: {arm.label} calibrates its thresholds on "
