@@ -149,7 +149,7 @@ def load_data(args, preset, tokenizer_dir):
 
 
 TASK = ChiarTask(
-    recipe="listops", title="ListOps", kind="classification", hub_dataset="listops",
+    recipe="listops", title="ListOps", kind="classification", hub_dataset=None,
     dataset_description="ListOps expressions (10 classes), generated from the published generator rules or read "
                         "from the released TSV files",
     paper={"attention": "98.85%", "hard": "63.35% (DCT+Attn; a flat one-operator toy, not this task)"},

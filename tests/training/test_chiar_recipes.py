@@ -166,6 +166,10 @@ def test_interrupted_routed_run_resumes_with_its_thresholds_and_ends_with_the_sa
     resumed, uninterrupted = _summary(run_dir), _summary(wikitext_run["out"] / "threshold-seed0")
     assert resumed["resumed_from"] == "checkpoint-3"
     assert resumed["thresholds"] == uninterrupted["thresholds"]
+    # the saved configs agree too: one shared threshold in tau_mid, as calibration left it (not per layer)
+    saved = [json.loads((folder / "config.json").read_text())
+             for folder in (run_dir, wikitext_run["out"] / "threshold-seed0")]
+    assert [(c["tau_mid"], c["layer_thresholds"]) for c in saved] == [(saved[1]["tau_mid"], None)] * 2
     a = load_file(str(run_dir / "model.safetensors"))
     b = load_file(str(wikitext_run["out"] / "threshold-seed0" / "model.safetensors"))
     for name in a:
@@ -216,6 +220,8 @@ def test_listops_smoke_reads_released_files_and_reports_accuracy_per_depth(tmp_p
     assert summary["test_accuracy"] == pytest.approx(
         sum(g["accuracy"] * g["examples"] for g in per_depth.values()) / 60)
     assert len(summary["thresholds"]["1"]) == 2, "three operators: τ_lo and τ_hi"
+    card = (out / "3op-seed0" / "README.md").read_text()
+    assert "model-index" in card and "datasets:" not in card.split("---")[1]  # generated data: no Hub dataset id
     assert summary["data"]["sources"]["test"].endswith("test_d20s.tsv")
     assert "generated" in summary["data"]["sources"]["validation"]
     # A file whose labels the evaluator does not reproduce is refused.

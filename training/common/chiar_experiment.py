@@ -115,7 +115,7 @@ class ChiarTask:
     recipe: str
     title: str
     kind: str  # "lm" (causal language model) or "classification" (bidirectional encoder)
-    hub_dataset: str
+    hub_dataset: str | None  # the data's Hub id; None for generated data (ListOps)
     dataset_description: str
     paper: dict  # the authors' number per arm family (SPEC 2.3)
     paper_metric: str  # what the paper's number is, e.g. "WikiText-2 test perplexity (GPT-2 BPE)"
@@ -522,12 +522,22 @@ def calibration_batches(data: TaskData, preset: LMPreset, count: int, seed: int 
     return [data.collator(rows[i:i + preset.batch_size]) for i in range(0, len(rows), preset.batch_size)]
 
 
-def apply_thresholds(config, thresholds: dict):
-    """Set per-layer thresholds ``{layer: [τ...]}`` on ``config`` (what ``calibrate_thresholds`` returned)."""
-    values = [None] * config.num_hidden_layers
-    for layer, taus in thresholds.items():
-        values[int(layer)] = [float(t) for t in taus]
-    config.layer_thresholds = values
+def apply_thresholds(config, thresholds: dict, per_layer: bool):
+    """Set the thresholds ``{layer: [τ...]}`` that ``calibrate_thresholds`` returned on ``config`` as it leaves them:
+    one set per routed layer in ``layer_thresholds``, or one shared set in ``tau_mid`` / ``tau_lo``, ``tau_hi`` (so
+    that a resumed run saves the config an uninterrupted one saves)."""
+    if per_layer:
+        values = [None] * config.num_hidden_layers
+        for layer, taus in thresholds.items():
+            values[int(layer)] = [float(t) for t in taus]
+        config.layer_thresholds = values
+        return
+    shared = [float(t) for t in next(iter(thresholds.values()))]
+    if len(shared) == 1:
+        config.tau_mid = shared[0]
+    else:
+        config.tau_lo, config.tau_hi = shared
+    config.layer_thresholds = None
 
 
 @dataclass
@@ -566,7 +576,7 @@ class Calibrator:
         entries = [h for h in self.history() if h["step"] <= step]
         if not entries:
             return None
-        apply_thresholds(self.model.config, entries[-1]["thresholds"])
+        apply_thresholds(self.model.config, entries[-1]["thresholds"], self.per_layer)
         return entries[-1]
 
 
@@ -845,10 +855,10 @@ def write_card(directory: str, arm: Arm, preset: LMPreset, task: ChiarTask, summ
     task_type = "text-generation" if task.kind == "lm" else "text-classification"
     card_data = ModelCardData(
         model_name=f"chiar-former-{task.recipe}-{arm.name}".lower(), library_name="transformers",
-        pipeline_tag=task_type, license="apache-2.0", datasets=[task.hub_dataset],
+        pipeline_tag=task_type, license="apache-2.0", datasets=[task.hub_dataset] if task.hub_dataset else None,
         tags=["hf_spectral", "chiar-former", "spectral-entropy-routing", arm.family],
-        eval_results=[EvalResult(task_type=task_type, dataset_type=task.hub_dataset, dataset_name=task.title,
-                                 dataset_split=split, metric_type=metric_type,
+        eval_results=[EvalResult(task_type=task_type, dataset_type=task.hub_dataset or task.recipe,
+                                 dataset_name=task.title, dataset_split=split, metric_type=metric_type,
                                  metric_name=name, metric_value=round(float(value), 4))
                       for name, split, metric_type, value in results] or None,
     )
