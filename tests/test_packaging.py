@@ -139,5 +139,7 @@ def test_installed_retrofit_command_writes_a_loadable_gated_copy(installed, tmp_
              "b = AutoModelForCausalLM.from_pretrained(sys.argv[2]).eval()\n"
              "assert any('energy_gate' in name for name, _ in b.named_parameters())\n"
              "with torch.no_grad():\n"
-             "    assert torch.equal(a(ids).logits, b(ids).logits)  # alpha = 0: the identity\n")
+             # alpha = 0: the identity, up to the kernels (the gated layer attends over a folded head: another
+             # SDPA kernel, which on some CPUs differs in the last bit)
+             "    torch.testing.assert_close(a(ids).logits, b(ids).logits, atol=1e-6, rtol=1e-5)\n")
     _run([str(python), "-c", check, str(source), str(destination)], cwd=outside, env=env)
