@@ -321,12 +321,10 @@ def finetune_arm(arm, seed, pretrained_dir, args, preset, data, tokenizer, runs)
 
     run_name = f"{arm.replace('+', '_')}-seed{seed}"
     # The whole preset (the pretraining's numbers too: the arm starts from that model), every option with an effect
-    # (the pretraining seed among them) but the preset's own numbers (recorded as resolved), and both corpora.
-    options = argparse.Namespace(
-        **{k: v for k, v in vars(args).items() if k not in RetrofitPreset.__dataclass_fields__})
+    # (the pretraining seed among them) and both corpora.
     splits = {f"{role}/{name}": split for role in ("pretrain", "finetune")
               for name, split in data[role].datasets.items()}
-    settings = run_settings(preset, options, data_fingerprint(tokenizer, splits))
+    settings = run_settings(preset, args, data_fingerprint(tokenizer, splits))
     run_dir, done = open_run_dir(args.output_dir, run_name, args.restart, settings, args.push_to_hub)
     if done is not None:
         return done

@@ -53,9 +53,7 @@ def register_energy_gated_models() -> None:
 def _is_gated_attention(module) -> bool:
     # Also by name: a checkpoint loaded with trust_remote_code before `import hf_spectral` runs its folder's copy of
     # modeling_energy_gated.py, whose mixin is another class object with the same code.
-    return isinstance(module, EnergyGatedAttentionMixin) or any(
-        cls.__name__ == EnergyGatedAttentionMixin.__name__ for cls in type(module).__mro__
-    )
+    return any(cls.__name__ == EnergyGatedAttentionMixin.__name__ for cls in type(module).__mro__)
 
 
 def gated_attention_modules(model) -> list:

@@ -281,16 +281,16 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
 
     settings = run_settings(preset, args, data_fingerprint(data.tokenizer, data.datasets))
     run_dir, done = open_run_dir(output_dir, spec.name, args.restart, settings, getattr(args, "push_to_hub", False))
+    hub_model_id = hub_repo_id(args, spec.name, runs)
+    card_repo_id = hub_model_id if getattr(args, "push_to_hub", False) else "<user>/<repo>"
     if done is not None:
         if getattr(args, "eval_test", False) and "test" in data.datasets and "test_loss" not in done:
-            repo_id = hub_repo_id(args, spec.name, runs) if getattr(args, "push_to_hub", False) else "<user>/<repo>"
-            done = add_test_loss(run_dir, done, spec, data, preset, benchmark, args, repo_id)
+            done = add_test_loss(run_dir, done, spec, data, preset, benchmark, args, card_repo_id)
         return done
 
     set_seed(spec.seed)  # the seed fixes the initial weights, the data order and the dropout masks
     tokenizer = data.tokenizer
     model = build_model(spec, preset, len(tokenizer), args.attn_implementation)
-    hub_model_id = hub_repo_id(args, spec.name, runs)
     summary = {}
     trainer, interrupt = build_trainer(
         model, run_dir, preset, spec.seed, data.datasets["train"],
@@ -298,7 +298,7 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
         chars_per_token=data.chars_per_token("validation"), run_name=f"{benchmark.recipe}/{spec.name}",
         hub_model_id=hub_model_id,
         model_card_fn=lambda directory: write_card(directory, spec, preset, benchmark, summary, model,
-                                                   repo_id=hub_model_id if args.push_to_hub else "<user>/<repo>"),
+                                                   repo_id=card_repo_id),
     )
     timing = train_or_resume(trainer, interrupt, run_dir, preset.max_steps)
     if timing is None:

@@ -98,9 +98,12 @@ TRAINING_ARGUMENTS_WITHOUT_EFFECT = frozenset({
 
 def run_settings(preset, args=None, data: dict | None = None, **extra) -> dict:
     """What decides a run's result, as JSON values: the preset's fields (those with an effect), the command's other
-    options (all but ``OPTIONS_WITHOUT_EFFECT``), the data's fingerprint (``data_fingerprint``) and ``extra``."""
-    values = {k: v for k, v in preset.to_dict().items() if k not in PRESET_FIELDS_WITHOUT_EFFECT}
-    options = {} if args is None else {k: v for k, v in sorted(vars(args).items()) if k not in OPTIONS_WITHOUT_EFFECT}
+    options (all but ``OPTIONS_WITHOUT_EFFECT`` and the preset's fields, which the options only override: recorded
+    as resolved), the data's fingerprint (``data_fingerprint``) and ``extra``."""
+    fields = preset.to_dict()
+    values = {k: v for k, v in fields.items() if k not in PRESET_FIELDS_WITHOUT_EFFECT}
+    options = {} if args is None else {k: v for k, v in sorted(vars(args).items())
+                                       if k not in OPTIONS_WITHOUT_EFFECT and k not in fields}
     fingerprint = {} if data is None else {"data": data}
     settings = {**values, **options, **fingerprint, **extra, "settings_version": RUN_SETTINGS_VERSION}
     return json.loads(json.dumps(settings, default=str))
@@ -130,9 +133,9 @@ def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | Non
     settings_path = os.path.join(run_dir, RUN_SETTINGS_FILE)
     # Only a run with something to reuse (a summary, a checkpoint) is held to its settings: a start that failed before
     # its first checkpoint (a bad option, unreachable data) must not block the corrected command.
-    reusable = os.path.isdir(run_dir) and any(
-        entry == "summary.json" or entry.startswith("checkpoint-") for entry in os.listdir(run_dir))
-    if settings is not None and reusable and os.path.isfile(settings_path):
+    entries = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+    checkpointed = any(entry.startswith("checkpoint-") for entry in entries)
+    if settings is not None and (checkpointed or "summary.json" in entries) and os.path.isfile(settings_path):
         with open(settings_path, encoding="utf-8") as handle:
             recorded = json.load(handle)
         compared = set(recorded) | set(settings) if "settings_version" in recorded else set(recorded)
@@ -153,9 +156,9 @@ def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | Non
                   f"`huggingface-cli upload <repo> {run_dir}`, or add --restart", flush=True)
         return run_dir, done
     os.makedirs(run_dir, exist_ok=True)
-    fresh = not any(entry.startswith("checkpoint-") for entry in os.listdir(run_dir))
-    if settings is not None and fresh and is_main_process():  # (a checkpoint from before settings were recorded:
-        write_json(settings_path, settings)                    # nothing to compare with, none written for it)
+    # (a checkpoint from before settings were recorded: nothing to compare with, none written for it)
+    if settings is not None and not checkpointed and is_main_process():
+        write_json(settings_path, settings)
     return run_dir, None
 
 
