@@ -188,6 +188,11 @@ class EnergyGatedModelMixin:
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         if not isinstance(getattr(config, "energy_gates", None), dict):
+            if getattr(config, "model_type", None) == family_of_class(type(self)).model_type:
+                raise ValueError(
+                    f"{type(self).__name__} was given a stock {config.model_type} config, without energy gates: load "
+                    "a stock checkpoint with its stock class (or an Auto class) and add gates with add_energy_gates"
+                )
             raise ValueError(
                 f"{type(self).__name__} needs `energy_gates` in its config (the gate configuration add_energy_gates "
                 "records); this config has none"
@@ -224,12 +229,23 @@ class EnergyGatedConfigMixin:
     def save_pretrained(self, save_directory, *args, **kwargs):
         return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        # A retrofitted model's `name_or_path` is the stock checkpoint it came from, whose config others read through
+        # the model's config class (PEFT's adapter save reads the base vocabulary size so): a stock config is read by
+        # the stock class, as what it is, a config without gates, instead of a gated one holding no `energy_gates`.
+        config_dict, _ = cls.get_config_dict(pretrained_model_name_or_path, **dict(kwargs))
+        if config_dict.get("model_type") == cls.stock_config_class.model_type:
+            return cls.stock_config_class.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
 
 def _gated_config(family: Family) -> type:
     return type(
         f"EnergyGated{family.config_class.__name__}",
         (EnergyGatedConfigMixin, family.config_class),
-        {"model_type": f"energy_gated_{family.model_type}", "__module__": __name__},
+        {"model_type": f"energy_gated_{family.model_type}", "stock_config_class": family.config_class,
+         "__module__": __name__},
     )
 
 

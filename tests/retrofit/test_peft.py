@@ -6,6 +6,8 @@ import pytest
 import torch
 from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging as transformers_logging
 
 import hf_spectral  # noqa: F401  (registers the PEFT integration)
 from hf_spectral import ChiarConfig, ChiarForCausalLM, EGAConfig, EGAForCausalLM
@@ -132,7 +134,12 @@ def test_the_gates_of_a_peft_model_save_to_a_gates_file(tmp_path, inner):
 
 
 def test_saving_a_gated_adapter_records_the_gate_config(tmp_path):
-    _, adapter, _ = trained_gated_adapter(tmp_path)
+    # PEFT's save reads the base checkpoint's config (the stock GPT-2 the gates were added to) through the gated
+    # model's config class: it once warned "a model of type gpt2 to instantiate a model of type energy_gated_gpt2".
+    config_logger = transformers_logging.get_logger("transformers.configuration_utils")
+    with CaptureLogger(config_logger) as captured:
+        _, adapter, _ = trained_gated_adapter(tmp_path)
+    assert "to instantiate a model of type" not in captured.out
     assert EnergyGateConfig.from_pretrained(adapter) == EnergyGateConfig(alpha_init=0.5, layers=[1])
 
 

@@ -515,6 +515,10 @@ def test_unsupported_models_and_bad_configs_are_refused(tmp_path):
     add_energy_gates(model)
     with pytest.raises(ValueError, match="already has energy gates"):
         add_energy_gates(model)
+    # A gated class reads a stock config as the stock config it is, and says how to add gates to it.
+    assert type(type(model).config_class.from_pretrained(tmp_path / "g")) is GPT2Config
+    with pytest.raises(ValueError, match="stock gpt2 config, without energy gates.*add_energy_gates"):
+        type(model).from_pretrained(tmp_path / "g")
     for bad, field in [({"normalization": "global"}, "normalization"), ({"energy_kind": "x"}, "energy_kind"),
                        ({"scales": [0]}, "scales"), ({"projections": 0}, "projections")]:
         with pytest.raises(ValueError, match=field):
