@@ -9,7 +9,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .positions import token_positions
+from transformers.utils import logging
+
+from .positions import padding_of_causal_mask, token_positions
+
+logger = logging.get_logger(__name__)
 
 # The one list of pooling modes: the models' configs check `classifier_pooling` against it.
 POOLING_MODES = ("last", "mean", "learned", "rmt_optimal")
@@ -26,6 +30,24 @@ def pool_weighted(hidden: torch.Tensor, mask: torch.Tensor, weights: torch.Tenso
     weights = weights * mask.to(weights.dtype)
     norm = weights.abs().sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
     return torch.einsum("bt,btc->bc", (weights / norm).to(hidden.dtype), hidden)
+
+
+def classifier_attention_mask(model_name: str, input_ids, inputs_embeds, attention_mask, pad_token_id):
+    """The attention mask a classification head runs its model with and pools over: the one given, else the
+    non-padding tokens of ``input_ids`` (``pad_token_id``), else ``None``, with a warning where a batch of several rows
+    may hold padding that nothing marks (transformers' own heads refuse such a batch or warn)."""
+    if attention_mask is not None:
+        return attention_mask
+    if input_ids is not None and pad_token_id is not None:
+        return (input_ids != pad_token_id).long()  # attention and gates skip padding too
+    rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+    if rows > 1:
+        source = "`inputs_embeds`" if input_ids is None else "`input_ids` with no `pad_token_id` in the config"
+        logger.warning_once(
+            f"{model_name} got {source} and no `attention_mask`: it cannot tell padding from tokens, so every "
+            "position of a row is pooled as a token. Pass the attention_mask for padded batches."
+        )
+    return None
 
 
 class SequencePooling(nn.Module):
@@ -88,8 +110,16 @@ class SequencePooling(nn.Module):
             self.position_weights.copy_(full)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: (B, T) padding (1 / True at tokens), or the model's causal 4D attention mask (B, 1, T, T)."""
         if mask is None:
             mask = hidden.new_ones(hidden.shape[:2], dtype=torch.long)
+        elif mask.ndim == 4:
+            mask = padding_of_causal_mask(mask, hidden.shape[1])
+        if mask.shape != hidden.shape[:2]:
+            raise ValueError(
+                f"the pooling mask must be (batch, length) = {tuple(hidden.shape[:2])} (or a 4D attention mask), got "
+                f"shape {tuple(mask.shape)}"
+            )
         if self.mode == "last":
             return pool_last(hidden, mask)
         if self.mode == "mean":

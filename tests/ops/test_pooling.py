@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from hf_spectral.ops.pooling import POOLING_MODES, SequencePooling, pool_last, pool_weighted
+from transformers.testing_utils import CaptureLogger
+
+from hf_spectral.ops import pooling
+from hf_spectral.ops.pooling import (
+    POOLING_MODES,
+    SequencePooling,
+    classifier_attention_mask,
+    pool_last,
+    pool_weighted,
+)
 
 
 def padded(batch=3, length=7, width=5, seed=0):
@@ -31,6 +40,31 @@ def test_last_and_mean_pool_the_real_tokens():
     mean = pool_weighted(hidden, mask, mask.float())
     torch.testing.assert_close(mean[0], hidden[0, 2:].mean(0))
     torch.testing.assert_close(mean[1], hidden[1, :4].mean(0))
+
+
+@pytest.mark.parametrize("mode", ["last", "mean", "learned"])
+def test_a_causal_4d_mask_pools_as_its_padding_and_other_shapes_are_refused(mode):
+    hidden, mask = padded()
+    head = SequencePooling(mode, max_positions=8)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    torch.testing.assert_close(head(hidden, causal), head(hidden, mask), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"must be \(batch, length\) = \(3, 7\).*got shape \(3, 6\)"):
+        head(hidden, mask[:, :6])
+
+
+def test_the_classifier_mask_comes_from_the_pad_token_or_a_warning():
+    ids = torch.tensor([[5, 6, 0], [7, 0, 0]])
+    given = torch.ones(2, 3, dtype=torch.long)
+    assert classifier_attention_mask("M", ids, None, given, 0) is given
+    assert classifier_attention_mask("M", ids, None, None, 0).tolist() == [[1, 1, 0], [1, 0, 0]]
+    pooling.logger.warning_once.cache_clear()
+    with CaptureLogger(pooling.logger) as captured:
+        assert classifier_attention_mask("M", ids, None, None, None) is None
+        assert classifier_attention_mask("M", ids[:1], None, None, None) is None  # one row: no padding to tell
+    assert captured.out.count("cannot tell padding from tokens") == 1
+    with CaptureLogger(pooling.logger) as captured:
+        classifier_attention_mask("M", None, torch.zeros(2, 3, 4), None, 0)
+    assert "`inputs_embeds` and no `attention_mask`" in captured.out
 
 
 def test_unknown_mode_is_refused():

@@ -56,7 +56,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_chiar_former import ChiarConfig
 from ...ops.gated_attention import flex_attention_forward
-from ...ops.pooling import SequencePooling
+from ...ops.pooling import SequencePooling, classifier_attention_mask
 from ...ops.positions import (
     host_length,
     host_reads_are_free,
@@ -943,8 +943,9 @@ class ChiarForSequenceClassification(ChiarPreTrainedModel):
         **kwargs,
     ) -> ChiarSequenceClassifierOutputWithPast:
         kwargs.pop("use_cache", None)
-        if attention_mask is None and input_ids is not None and self.config.pad_token_id is not None:
-            attention_mask = (input_ids != self.config.pad_token_id).long()
+        attention_mask = classifier_attention_mask(
+            type(self).__name__, input_ids, inputs_embeds, attention_mask, self.config.pad_token_id
+        )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -28,7 +28,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import can_return_tuple
+from transformers.utils import can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.import_utils import is_torchdynamo_compiling
@@ -45,7 +45,7 @@ from ...ops.gated_attention import (
     stored_dtype,
     write_folded_kv,
 )
-from ...ops.pooling import SequencePooling
+from ...ops.pooling import SequencePooling, classifier_attention_mask
 from ...ops.positions import (
     host_length,
     host_reads_are_free,
@@ -55,6 +55,8 @@ from ...ops.positions import (
 )
 from ...ops.remote_code import save_pretrained_with_code
 from .configuration_ega_gpt import EGAConfig
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -294,7 +296,8 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
             if low < 0 or high >= config.max_position_embeddings:
                 raise ValueError(
                     f"position_ids must lie in [0, max_position_embeddings = {config.max_position_embeddings}), got "
-                    f"values from {int(low)} to {int(high)}"
+                    f"values from {int(low)} to {int(high)} (in generate(): the prompt's tokens plus max_new_tokens "
+                    "run past the learned positions)"
                 )
 
 
@@ -403,6 +406,18 @@ class EGAForCausalLM(EGAPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.wte = value
 
+    def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        # Positions are learned up to max_position_embeddings: a generation that would pass them stops with an error
+        # at that step. Said up front (a warning: positions count tokens, so left padding may leave room).
+        if generation_config.max_length > self.config.max_position_embeddings:
+            logger.warning_once(
+                f"generate() may run to {generation_config.max_length} positions ({input_ids_length} in the input, "
+                f"then new tokens), but EGA-GPT's learned positions end at max_position_embeddings = "
+                f"{self.config.max_position_embeddings}: a row that reaches them stops the generation with an error. "
+                f"Ask for at most {max(0, self.config.max_position_embeddings - input_ids_length)} new tokens."
+            )
+
     def _validate_generation_mode(self, generation_mode, *args, **kwargs):
         normalization = self.config.energy_normalization if self.config.gated_layers else "none"
         check_generation_mode(normalization, generation_mode, type(self).__name__)
@@ -481,8 +496,9 @@ class EGAForSequenceClassification(EGAPreTrainedModel):
         **kwargs,
     ) -> EGASequenceClassifierOutputWithPast:
         kwargs.pop("use_cache", None)
-        if attention_mask is None and input_ids is not None and self.config.pad_token_id is not None:
-            attention_mask = (input_ids != self.config.pad_token_id).long()  # attention and gates skip padding too
+        attention_mask = classifier_attention_mask(
+            type(self).__name__, input_ids, inputs_embeds, attention_mask, self.config.pad_token_id
+        )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

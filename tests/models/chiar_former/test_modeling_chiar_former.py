@@ -444,6 +444,11 @@ def test_sequence_classification_pools_real_tokens_only(pooling):
     for row, pads in enumerate([3, 6]):
         alone = model(ids[row + 1 : row + 2, pads:]).logits
         torch.testing.assert_close(out.logits[row + 1], alone[0], atol=1e-5, rtol=1e-5)
+    # A causal 4D mask holds the same padding: the head pools with it (it had pooled per query row, or failed)
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded, attention_mask=causal).logits, out.logits.detach(), atol=1e-5,
+                                   rtol=1e-5)
     out.loss.backward()
     assert model.score.weight.grad.abs().sum() > 0
 

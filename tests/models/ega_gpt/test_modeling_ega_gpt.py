@@ -458,6 +458,23 @@ def test_a_sequence_longer_than_the_context_is_refused_by_its_length():
         assert model(ids, attention_mask=mask).logits.shape == (2, 50, VOCAB)
 
 
+def test_generation_past_the_context_is_announced_up_front_and_named_where_it_stops():
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_spectral.models.ega_gpt import modeling_ega_gpt
+
+    model = tiny_model("EGA-1")  # max_position_embeddings = 48
+    prompt = torch.ones(1, 40, dtype=torch.long)
+    modeling_ega_gpt.logger.warning_once.cache_clear()
+    with CaptureLogger(modeling_ega_gpt.logger) as captured:
+        assert model.generate(prompt, max_new_tokens=8, do_sample=False).shape == (1, 48)  # fits: no warning
+    assert captured.out == ""
+    with CaptureLogger(modeling_ega_gpt.logger) as captured:
+        with pytest.raises(ValueError, match=r"got values from 48 to 48 \(in generate\(\): the prompt's tokens"):
+            model.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert "may run to 50 positions (40 in the input" in captured.out and "at most 8 new tokens" in captured.out
+
+
 def test_a_packed_sequences_mask_is_refused_not_read_as_padding():
     # Two documents in one row under a block-diagonal mask: the gates read padding from the mask's last row, which
     # would count the first document as padding.
@@ -594,6 +611,12 @@ def test_sequence_classification_pools_left_and_right_padding_alike(pooling):
         # Without a mask, `pad_token_id` (0 here) marks the padding for the attention and the gates as well
         torch.testing.assert_close(model(left).logits, alone, atol=1e-5, rtol=0)
         torch.testing.assert_close(model(right).logits, alone, atol=1e-5, rtol=0)
+        # A causal 4D mask holds the same padding: the head pools with it (it had pooled per query row, or failed)
+        for padded, mask in ((left, left_mask), (right, right_mask)):
+            causal = torch.ones(13, 13, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+            torch.testing.assert_close(model(padded, attention_mask=causal).logits, alone, atol=1e-5, rtol=0)
+            torch.testing.assert_close(model(padded[:1], attention_mask=causal[:1]).logits, alone[:1], atol=1e-5,
+                                       rtol=0)
     out = model(ids, labels=torch.tensor([0, 2]))
     out.loss.backward()
     assert out.logits.shape == (2, 3) and torch.isfinite(out.loss)
