@@ -164,9 +164,10 @@ def cached_length(layer, new: int = 0) -> int:
         if dropped == 0:
             return seen
         raise ValueError(
-            f"the KV cache's sliding window drops {dropped} keys; energy-gated attention keeps its per-key gate state "
-            "(statistics over every earlier token) in the cache and cannot continue past the window: use a "
-            "DynamicCache without a sliding window, or a static cache no longer than the window"
+            f"the KV cache's sliding window drops {dropped} key(s); energy-gated attention keeps its per-key gate "
+            "state (statistics over every earlier token) in the cache and cannot continue past the window: pass "
+            "`past_key_values=transformers.DynamicCache()` (built without the config, its layers keep every key; "
+            "the attention mask still applies the window). A static cache drops keys past the window too"
         )
     raise ValueError(
         f"energy-gated attention keeps per-key gate state in its KV cache and needs every key kept as written; "

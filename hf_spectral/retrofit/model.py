@@ -19,6 +19,7 @@ from ..file_permissions import apply_umask
 from .config import EnergyGateConfig
 from .layer import EnergyGatedAttentionMixin
 from .modeling_energy_gated import (  # noqa: F401  (family_of_class, init_energy_gates: used by the CLI and tests)
+    EnergyGatedModelMixin,
     family_of,
     family_of_class,
     gated_config_class,
@@ -134,8 +135,11 @@ def remove_energy_gates(model):
     model.config.__class__ = family.config_class
     model.config.__dict__.pop("model_type", None)  # a gated checkpoint's config.json set the gated type here
     _forget_gated_remote_code(model.config)
-    if hasattr(type(model), "stock_class"):
-        model.__class__ = type(model).stock_class
+    # The model's own class, and a decoder that a classification head built through AutoModel (its gated form
+    # where the config was gated: Llama's, Mistral's and Qwen2's heads) become stock classes again.
+    for module in model.modules():
+        if any(cls.__name__ == EnergyGatedModelMixin.__name__ for cls in type(module).__mro__):
+            module.__class__ = type(module).stock_class
     return model
 
 

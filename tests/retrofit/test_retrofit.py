@@ -15,6 +15,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     BertConfig,
     BertModel,
+    DynamicCache,
     GPT2Config,
     GPT2ForSequenceClassification,
     GPT2LMHeadModel,
@@ -174,8 +175,12 @@ def test_a_static_cache_with_a_sliding_window_generates_while_the_window_drops_n
     static = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static")
     assert torch.equal(static, dynamic)
     model.config.sliding_window = 14  # the prompt (12) and two new tokens fit, the third does not
-    with pytest.raises(ValueError, match="sliding window drops 1 keys"):
+    with pytest.raises(ValueError, match=r"window drops 1 key.*past_key_values=transformers.DynamicCache\(\)"):
         model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    # The way out the error names: a cache whose layers keep every key; the mask still applies the window
+    kept = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, past_key_values=DynamicCache())
+    uncached = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=False)
+    assert torch.equal(kept, uncached)
 
 
 def test_a_static_cache_decoding_step_of_a_retrofitted_gpt2_has_no_graph_break(tmp_path):
@@ -249,6 +254,10 @@ def test_a_gated_classification_head_built_through_automodel_loads_back(family, 
     remote, loaded_class = load_without_plugin(tmp_path / "gated", auto_class, inputs, tmp_path)
     assert loaded_class.endswith(".modeling_energy_gated." + type(model).__name__)
     torch.testing.assert_close(remote, expected, atol=1e-5, rtol=1e-5)
+    # Removing the gates makes every class stock again, the decoder the head built through AutoModel included
+    remove_energy_gates(loaded)
+    assert not any(type(m).__name__.startswith("EnergyGated") for m in loaded.modules())
+    assert type(loaded.model).__module__ == f"transformers.models.{family}.modeling_{family}"
     causal = AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
     add_energy_gates(causal)
     causal.save_pretrained(tmp_path / "gated-lm")
