@@ -92,11 +92,17 @@ def _as_mapping(batch) -> Mapping:
     )
 
 
-def _split_batch(batch, device):
-    """(model inputs without labels, labels or None), tensors moved to ``device``."""
+def _split_batch(batch, model):
+    """(model inputs without labels, labels or None), tensors moved to the model's device. A batch without an
+    attention mask gets the one the model's classification head builds from ``config.pad_token_id``, so that these
+    tools index the real tokens the model attends to and pools, not its padding."""
+    device = _device(model)
     batch = _as_mapping(batch)
     labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
     inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k not in LABEL_KEYS}
+    pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if inputs.get("attention_mask") is None and torch.is_tensor(inputs.get("input_ids")) and pad_token_id is not None:
+        inputs["attention_mask"] = (inputs["input_ids"] != pad_token_id).long()
     return inputs, labels
 
 
@@ -193,11 +199,10 @@ def attention_pooling_weights(model, dataloader, *, max_batches: int | None = No
     another kernel), in eval mode, without gradients. Batches are mappings (dicts, ``BatchEncoding``), tensors of input
     ids or ``(input_ids[, attention_mask], labels)`` tuples; ``labels`` are ignored.
     """
-    device = _device(model)
     sums, count = None, 0
     with evaluation_mode(model), _eager_attention(model), _unfitted_heads_allowed(model):
         for batch in _batches(dataloader, max_batches):
-            inputs, _ = _split_batch(batch, device)
+            inputs, _ = _split_batch(batch, model)
             attentions = model(**inputs, output_attentions=True).attentions
             if not attentions:
                 raise ValueError(f"{type(model).__name__} returned no attentions with output_attentions=True")
@@ -288,6 +293,11 @@ def _state_source(model, states):
         hidden = model(**inputs, output_hidden_states=True).hidden_states
         if not hidden:
             raise ValueError(f"{type(model).__name__} returned no hidden_states")
+        if not -len(hidden) <= index < len(hidden):
+            raise ValueError(
+                f"states={states!r} is no hidden_states index: {type(model).__name__} returns {len(hidden)} "
+                f"(embeddings and one per layer: {-len(hidden)} to {len(hidden) - 1})"
+            )
         return hidden[index], inputs.get("attention_mask")
 
     yield read
@@ -328,13 +338,12 @@ def estimate_position_correlation(model, dataloader, *, states: str | int = "emb
     """
     if min_count < 2:
         raise ValueError(f"min_count must be >= 2 (a variance needs two sequences), got {min_count}")
-    device = _device(model)
     with evaluation_mode(model), _unfitted_heads_allowed(model), _state_source(model, states) as read:
         # pass 1: per-position sums and the state/label cross-moments
         sum_h = sum_hy = sum_y_t = counts = None
         n_sequences = 0
         for batch in _batches(dataloader, max_batches):
-            inputs, labels = _split_batch(batch, device)
+            inputs, labels = _split_batch(batch, model)
             if labels is None:
                 raise ValueError("estimate_position_correlation needs labelled batches (a 'labels' entry)")
             states, mask = read(inputs)
@@ -377,7 +386,7 @@ def estimate_position_correlation(model, dataloader, *, states: str | int = "emb
         moment, pairs = np.zeros((keep, keep)), np.zeros((keep, keep))
         second_pass_sequences = 0
         for batch in _batches(dataloader, max_batches):
-            inputs, _ = _split_batch(batch, device)
+            inputs, _ = _split_batch(batch, model)
             states, mask = read(inputs)
             aligned, filled = _align_real_tokens(states.float(), mask)
             h = aligned.cpu().double().numpy()[:, :keep]

@@ -60,7 +60,9 @@ class SpectrumResult:
             "sample_threshold": theory.sample_threshold(self.delta, self.gamma),
             "bulk_edge": theory.bulk_edges(self.delta, self.gamma, self.kappa)[1],
             "top_eigenvalue": float(theory.sample_outlier(self.rho, self.delta, self.gamma, self.kappa)),
-            "overlap": float(theory.sample_overlap(self.rho, self.delta, self.gamma)),
+            # measured against μ/‖μ‖: a raw table's outlier eigenvector aligns with the effective signal instead
+            "overlap": float(theory.sample_overlap(self.rho, self.delta, self.gamma)
+                             * theory.signal_overlap_factor(self.mu_norm2, self.delta, self.table)),
             "has_outlier": bool(theory.has_sample_outlier(self.rho, self.delta, self.gamma)),
         }
 

@@ -180,7 +180,8 @@ def bulk_support(delta: float, gamma: float, kappa: float = 1.0) -> list[tuple[f
 
 def bulk_edges(delta: float, gamma: float, kappa: float = 1.0) -> tuple[float, float]:
     """(lower, upper) edge of the bulk κ(MP_δ ⊠ MP_γ), ignoring the atom at 0. The lower edge is 0 (a hard
-    edge where the density diverges) when δ = 1 or γ = 1, and also when δ = γ > 1."""
+    edge where the density diverges) when the smallest of d, V, N is tied: δ = 1 with γ ≤ 1, γ = 1 with δ ≤ 1,
+    or δ = γ ≥ 1."""
     support = bulk_support(delta, gamma, kappa)
     return support[0][0], support[-1][1]
 

@@ -222,6 +222,30 @@ def test_rmt_tools_accept_batch_encodings_tuples_and_tensors():
         attention_pooling_weights(model, [tuple(as_dicts[0]["input_ids"] for _ in range(4))])
 
 
+def test_batches_without_a_mask_skip_the_padding_the_model_skips():
+    """Without an attention_mask the model finds its padding through `pad_token_id`; the tools index the same real
+    tokens (they had counted the padding as tokens: another R̂, other attention weights, a fit over padding)."""
+    torch.manual_seed(0)
+    model = EGAForSequenceClassification(EGAConfig(
+        vocab_size=VOCAB + 1, pad_token_id=VOCAB, max_position_embeddings=T, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_labels=2, classifier_pooling="last", embd_pdrop=0.0, resid_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="eager"))
+    masked = early_signal_batches(n=128, batch_size=32)
+    generator = torch.Generator().manual_seed(0)
+    for batch in masked:  # right padding: random lengths in [L + 2, T]
+        lengths = torch.randint(L + 2, T + 1, (batch["input_ids"].shape[0],), generator=generator)
+        batch["attention_mask"] = (torch.arange(T)[None] < lengths[:, None]).long()
+        batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, VOCAB)
+    unmasked = [(batch["input_ids"], batch["labels"]) for batch in masked]
+    np.testing.assert_array_equal(attention_pooling_weights(model, unmasked).layer_weights,
+                                  attention_pooling_weights(model, masked).layer_weights)
+    estimate = estimate_position_correlation(model, unmasked, states=1)
+    np.testing.assert_array_equal(estimate.matrix, estimate_position_correlation(model, masked, states=1).matrix)
+    assert estimate.counts[-1] < estimate.counts[0]
+    with pytest.raises(ValueError, match=r"states=5 is no hidden_states index: .* returns 3"):
+        estimate_position_correlation(model, masked, states=5)
+
+
 def test_an_unfitted_rmt_optimal_head_refuses_to_run_but_can_be_measured_and_fitted():
     model = tiny_classifier()
     batch = {k: v for k, v in early_signal_batches(n=8, batch_size=8)[0].items() if k != "labels"}

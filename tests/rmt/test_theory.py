@@ -217,6 +217,10 @@ def test_raw_table_needs_the_delta_correction():
     overlap = np.mean([r.overlap for r in runs])
     factor = signal_overlap_factor(mu2, runs[0].delta, "raw")
     assert overlap == pytest.approx(float(sample_overlap(rho_corrected, delta, gamma)) * factor, rel=0.06)
+    # ... and the draw's own theory() says so (it had left the factor out: a 10-20% "disagreement")
+    predicted = runs[0].theory()["overlap"]
+    assert predicted == pytest.approx(float(sample_overlap(rho_corrected, runs[0].delta, runs[0].gamma)) * factor)
+    assert overlap == pytest.approx(predicted, rel=0.06)
 
 
 def test_scalar_arguments_and_bad_values_are_handled_by_name():
