@@ -30,13 +30,16 @@ class CharTokenizer(PreTrainedTokenizer):
     model_input_names = ["input_ids", "attention_mask"]
 
     def __init__(self, vocab_file, unk_token=None, pad_token=None, bos_token=None, eos_token=None, **kwargs):
-        with open(vocab_file, encoding="utf-8") as handle:
-            self.vocab = json.load(handle)
-        if not isinstance(self.vocab, dict) or not self.vocab:
-            raise ValueError(f"{vocab_file} does not hold a non-empty JSON object mapping characters to ids")
+        self.vocab = _read_vocabulary(vocab_file)
+        # Special tokens new to the vocabulary take the next free ids: after the file's ids and after those of the
+        # tokens added with `add_tokens` / `add_special_tokens` (a saved tokenizer gives them back in
+        # `added_tokens_decoder`), which keep theirs.
+        added = {int(index): str(token) for index, token in (kwargs.get("added_tokens_decoder") or {}).items()}
+        next_id = max([*self.vocab.values(), *added]) + 1
         for token in (unk_token, pad_token, bos_token, eos_token):
-            if token is not None and str(token) not in self.vocab:  # the next free id, whatever ids the file uses
-                self.vocab[str(token)] = max(self.vocab.values()) + 1
+            if token is not None and str(token) not in self.vocab and str(token) not in added.values():
+                self.vocab[str(token)] = next_id
+                next_id += 1
         self.ids_to_tokens = {index: token for token, index in self.vocab.items()}
         kwargs.setdefault("clean_up_tokenization_spaces", False)
         super().__init__(
@@ -76,8 +79,12 @@ class CharTokenizer(PreTrainedTokenizer):
     def _convert_token_to_id(self, token):
         if token in self.vocab:
             return self.vocab[token]
-        if self.unk_token is not None:
-            return self.vocab[str(self.unk_token)]
+        if self.unk_token is not None:  # an unk_token given after construction is an added token
+            unk = str(self.unk_token)
+            index = self.added_tokens_encoder.get(unk, self.vocab.get(unk))
+            if index is None:
+                raise ValueError(f"unk_token {unk!r} has no id: add it with add_special_tokens({{'unk_token': ...}})")
+            return index
         raise ValueError(f"character {token!r} is not in the vocabulary and the tokenizer has no unk_token")
 
     def _convert_id_to_token(self, index):
@@ -96,3 +103,22 @@ class CharTokenizer(PreTrainedTokenizer):
         with open(vocab_file, "w", encoding="utf-8") as handle:
             json.dump(self.vocab, handle, ensure_ascii=False)
         return (vocab_file,)
+
+
+def _read_vocabulary(vocab_file) -> dict:
+    """The character -> id mapping of ``vocab_file``, refused with the file's name when missing or malformed."""
+    if vocab_file is None or not os.path.isfile(vocab_file):  # (transformers would replace an OSError's message)
+        raise ValueError(
+            f"CharTokenizer needs its vocabulary file ({VOCAB_FILES_NAMES['vocab_file']}); not found: {vocab_file}"
+        )
+    try:
+        with open(vocab_file, encoding="utf-8") as handle:
+            vocab = json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{vocab_file} is not UTF-8 JSON: {error}") from error
+    if not isinstance(vocab, dict) or not vocab:
+        raise ValueError(f"{vocab_file} does not hold a non-empty JSON object mapping characters to ids")
+    ids = list(vocab.values())
+    if any(type(index) is not int or index < 0 for index in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"{vocab_file}: the ids must be distinct non-negative integers")
+    return vocab

@@ -60,3 +60,40 @@ def test_special_tokens_take_the_next_free_id_of_any_vocabulary(tmp_path):
     (tmp_path / "vocab.json").write_text('{"a": 1, "b": 2}')
     tokenizer = CharTokenizer(str(tmp_path / "vocab.json"), pad_token="<pad>")
     assert tokenizer.pad_token_id == 3 and tokenizer.decode([2]) == "b"
+
+
+def test_special_tokens_given_after_tokens_were_added_take_ids_no_token_has(tmp_path):
+    """A special token given at load time goes after the added tokens (it had taken the first added token's id,
+    dropping that token), and an unk_token added later maps unknown characters to itself (it had raised KeyError,
+    and after saving mapped them to another token's id)."""
+    tokenizer = CharTokenizer.from_text("abc \n", tmp_path / "build")
+    tokenizer.add_tokens(["<x>"])  # id 5
+    tokenizer.save_pretrained(tmp_path / "added")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "added", pad_token="<pad>")
+    assert loaded.convert_tokens_to_ids("<x>") == 5 and loaded.pad_token_id == 6
+    assert loaded("a<x>b")["input_ids"] == [2, 5, 3] and len(loaded) == 7
+
+    tokenizer.add_special_tokens({"unk_token": "<unk>"})  # id 6
+    assert tokenizer("az")["input_ids"] == [2, 6]
+    tokenizer.save_pretrained(tmp_path / "unk")
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "unk")
+    assert reloaded.unk_token_id == 6 and reloaded("az<x>")["input_ids"] == [2, 6, 5]
+    assert reloaded.get_vocab() == tokenizer.get_vocab() and len(reloaded) == len(tokenizer) == 7
+
+
+@pytest.mark.parametrize("content, error, message", [
+    (None, ValueError, r"needs its vocabulary file \(vocab.json\); not found"),
+    (b"{not json", ValueError, "vocab.json is not UTF-8 JSON"),
+    (b'{"a": "0"}', ValueError, "distinct non-negative integers"),
+    (b'{"a": 0, "b": 0}', ValueError, "distinct non-negative integers"),
+    (b"[]", ValueError, "non-empty JSON object"),
+], ids=["missing", "not json", "string id", "duplicate ids", "not an object"])
+def test_a_missing_or_malformed_vocabulary_file_is_refused_by_name(tmp_path, content, error, message):
+    CharTokenizer.from_text("ab", tmp_path).save_pretrained(tmp_path)
+    vocab = tmp_path / "vocab.json"
+    if content is None:
+        vocab.unlink()
+    else:
+        vocab.write_bytes(content)
+    with pytest.raises(error, match=message):
+        AutoTokenizer.from_pretrained(tmp_path)

@@ -66,6 +66,11 @@ def test_char_encoding_equals_the_tokenizer_call(tmp_path):
     text = synthetic_text(2000)
     tokenizer = char_tokenizer({"train": text}, str(tmp_path))
     assert encode_text(tokenizer, text).tolist() == tokenizer(text)["input_ids"]
+    # a text that spells a token of several characters: tokenizer(text) keeps it whole, and so does encode_text
+    tokenizer.add_special_tokens({"unk_token": "<unk>"})
+    spelled = text[:50] + "<unk>" + text[50:100]
+    assert encode_text(tokenizer, spelled).tolist() == tokenizer(spelled)["input_ids"]
+    assert len(encode_text(tokenizer, spelled)) == 101
 
 
 def test_word_tokenizer_maps_line_ends_to_eos_and_unknown_words_to_unk(tmp_path):

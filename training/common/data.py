@@ -234,11 +234,12 @@ def word_tokenizer(train_text: str, save_directory: str, unk_token: str = "<unk>
 
 def encode_text(tokenizer, text: str) -> np.ndarray:
     """Token ids of a whole document (int32). Character tokenizers take the direct vocabulary lookup: the
-    same ids as ``tokenizer(text)``, without the special-token trie walk over millions of characters."""
+    same ids as ``tokenizer(text)``, without the special-token trie walk over millions of characters, unless the text
+    spells a token of several characters (a special or added token), which ``tokenizer(text)`` keeps whole."""
     from hf_spectral import CharTokenizer
 
-    if isinstance(tokenizer, CharTokenizer):
-        vocab = tokenizer.get_vocab()
+    vocab = tokenizer.get_vocab() if isinstance(tokenizer, CharTokenizer) else {}
+    if vocab and not any(len(token) > 1 and token in text for token in vocab):
         unknown = set(text) - set(vocab)
         if unknown and tokenizer.unk_token is None:
             raise ValueError(f"characters {sorted(unknown)[:10]} are not in the vocabulary")
