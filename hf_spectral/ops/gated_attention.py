@@ -323,6 +323,11 @@ def flex_attention_with_key_bias(
     if query.device.type == "cpu" and not torch.compiler.is_compiling():
         output = _static_cpu_flex_attention()(*inputs, **options)
     else:
+        if query.device.type == "cpu":
+            # torch 2.13's CPU flex template builds no kernel whose score_mod or mask_mod reads a tensor computed in
+            # the same graph (the gate's bias, a padding mask, CHIAR's routing): a graph break makes them inputs of
+            # the kernel's graph.
+            torch._dynamo.graph_break()
         output = compile_friendly_flex_attention(*inputs, training=module.training, **options)
     return output.transpose(1, 2).contiguous(), None
 

@@ -637,6 +637,19 @@ def test_a_compiled_retrofitted_gpt2_trains_and_infers_like_eager(tmp_path):
     assert any(".energy_gate." in name for name, p in eager.named_parameters() if p.grad is not None)
 
 
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
+def test_a_compiled_flex_attention_forward_of_a_retrofitted_llama_equals_eager(tmp_path):
+    """The gates' bias reaches flex_attention's score_mod; on CPU torch.compile(model) had failed to build that
+    kernel (a tensor computed in its graph)."""
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint(tmp_path), attn_implementation="flex_attention")
+    add_energy_gates(model)
+    randomise_gates(model)
+    compiled = torch.compile(model.eval())
+    ids, mask, positions = padded_batch()
+    torch.testing.assert_close(logits(compiled, ids, mask, positions), logits(model, ids, mask, positions),
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_every_gate_parameter_gets_a_gradient_for_data_parallel_training(tmp_path, family):
     """With only the gates trainable, each of them must be in the graph (DistributedDataParallel's default refuses

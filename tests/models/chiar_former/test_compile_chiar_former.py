@@ -131,3 +131,18 @@ def test_default_backend_compiles_a_routed_model_and_matches_eager():
         trained.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, **GRADIENT_TOLERANCE)
+
+
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason="Inductor's C++ kernels under a forced ATEN_CPU_CAPABILITY (above)")
+def test_a_compiled_flex_attention_forward_of_a_routed_model_equals_eager():
+    """flex_attention's block mask skips the unrouted queries, reading the routing computed in the same forward; on
+    CPU torch.compile(model) had failed to build that kernel."""
+    ids = random_ids(2, 16, seed=3)
+    model = _routed_model("threshold", True, ids)
+    model.set_attn_implementation("flex_attention")
+    with torch.no_grad():
+        expected = model(ids)
+        out = torch.compile(model)(ids)
+    for routes, expected_routes in zip(out.routing_decisions, expected.routing_decisions):
+        assert torch.equal(routes, expected_routes)
+    torch.testing.assert_close(out.logits, expected.logits, **FORWARD_TOLERANCE)

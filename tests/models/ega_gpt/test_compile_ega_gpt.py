@@ -116,3 +116,18 @@ def test_a_compiled_model_generates_what_the_eager_one_generates():
     model.forward = torch.compile(model.forward)
     assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), expected)
     assert expected.shape[1] == ids.shape[1] + 3 and int(expected.max()) < VOCAB
+
+
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
+def test_a_compiled_flex_attention_forward_equals_eager():
+    """Under flex_attention the kernel's score_mod reads the gate's bias (uncached) or the bias folded into the
+    cached keys; on CPU torch.compile(model) had failed to build that kernel (a tensor computed in its graph)."""
+    model = _model("EGA-1").eval()
+    model.set_attn_implementation("flex_attention")
+    compiled = torch.compile(model)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        for use_cache in (False, True):
+            expected = model(ids, attention_mask=mask, use_cache=use_cache).logits * mask[..., None]
+            got = compiled(ids, attention_mask=mask, use_cache=use_cache).logits * mask[..., None]
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
