@@ -146,3 +146,26 @@ def test_a_compiled_flex_attention_forward_of_a_routed_model_equals_eager():
     for routes, expected_routes in zip(out.routing_decisions, expected.routing_decisions):
         assert torch.equal(routes, expected_routes)
     torch.testing.assert_close(out.logits, expected.logits, **FORWARD_TOLERANCE)
+
+
+def test_torch_export_of_a_routed_model_with_a_dynamic_length_equals_eager():
+    """torch.export of a padded, threshold-routed forward (DCT / attention; no cache) with the sequence length
+    dynamic: the exported program (static-width layout) gives the eager logits at other lengths. Layouts with RBF
+    mixing export for fixed lengths only (design.md)."""
+    from torch.export import Dim, export
+
+    calibration = random_ids(4, 16, seed=100)
+    config = tiny_config(routed_operators=["dct", "attention"], use_cache=False)
+    model = build(ChiarForCausalLM, config, calibrate_on=calibration)
+    ids = random_ids(2, 16, seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    length = Dim("length", min=2, max=config.max_position_embeddings)
+    program = export(model, (), {"input_ids": ids, "attention_mask": mask},
+                     dynamic_shapes={"input_ids": {1: length}, "attention_mask": {1: length}}).module()
+    for width in (16, 9):
+        other_ids, other_mask = ids[:, -width:], mask[:, -width:]
+        with torch.no_grad():
+            expected = model(other_ids, attention_mask=other_mask).logits * other_mask[..., None]
+            got = program(input_ids=other_ids, attention_mask=other_mask).logits * other_mask[..., None]
+        torch.testing.assert_close(got, expected, **FORWARD_TOLERANCE)

@@ -131,3 +131,21 @@ def test_a_compiled_flex_attention_forward_equals_eager():
             expected = model(ids, attention_mask=mask, use_cache=use_cache).logits * mask[..., None]
             got = compiled(ids, attention_mask=mask, use_cache=use_cache).logits * mask[..., None]
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_export_with_a_dynamic_length_equals_eager():
+    """torch.export of a padded EGA-1 forward (no cache) with the sequence length dynamic: the exported program
+    runs other lengths and padding and gives the eager logits (atol 1e-5, rtol 1e-5)."""
+    from torch.export import Dim, export
+
+    model = _model("EGA-1", use_cache=False).eval()
+    ids, mask = padded_batch()
+    length = Dim("length", min=2, max=model.config.max_position_embeddings)
+    program = export(model, (), {"input_ids": ids, "attention_mask": mask},
+                     dynamic_shapes={"input_ids": {1: length}, "attention_mask": {1: length}}).module()
+    for width in (ids.shape[1], 5):
+        other_ids, other_mask = ids[:, -width:], mask[:, -width:]
+        with torch.no_grad():
+            expected = model(other_ids, attention_mask=other_mask).logits * other_mask[..., None]
+            got = program(input_ids=other_ids, attention_mask=other_mask).logits * other_mask[..., None]
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
