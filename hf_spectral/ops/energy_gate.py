@@ -204,18 +204,29 @@ def unpack_state(channels: torch.Tensor) -> torch.Tensor:
     return at_least_float32(channels)
 
 
-def check_generation_mode(normalization: str, generation_mode: str, model_name: str) -> None:
-    """Refuse assisted and prompt-lookup decoding (``generation_mode`` "assisted_generation") for a model whose gates
-    use ``window`` statistics. Those decodings score several draft tokens in one cached call and take each draft
-    position's logits for those plain decoding would give there; window statistics normalise every key over all
-    positions of the call, so a draft position's gate would see the drafts after it, and the tokens would differ
-    from plain decoding's without any sign."""
-    if normalization == "window" and generation_mode == "assisted_generation":
+def check_generation_mode(normalization: str, generation_mode: str, generation_config, model_name: str) -> None:
+    """Refuse the decodings that would feed a model whose gates use ``window`` statistics other tokens per call
+    than plain decoding does. Assisted and prompt-lookup decoding (``generation_mode`` "assisted_generation") score
+    several draft tokens in one cached call and take each draft position's logits for those plain decoding would
+    give there; a chunked prefill (``generation_config.prefill_chunk_size``) runs the prompt in several calls.
+    Window statistics normalise every key over all positions of a call, so a draft position's gate would see the
+    drafts after it, and a chunk's gates would not see the later chunks: the tokens would differ from plain
+    decoding's without any sign."""
+    if normalization != "window":
+        return
+    if generation_mode == "assisted_generation":
         raise ValueError(
             f"{model_name} gates its keys with window statistics, which normalise over every token of a call: "
             "assisted or prompt-lookup decoding would verify its drafts against gates that see the later drafts "
             "and give other tokens than plain decoding. Generate without assistant_model / "
             "prompt_lookup_num_tokens, or use a model with causal statistics"
+        )
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:
+        raise ValueError(
+            f"{model_name} gates its keys with window statistics, which normalise over every token of a call: a "
+            "chunked prefill (prefill_chunk_size) would gate each chunk's keys without the later chunks and give "
+            "other logits than one prefill. Generate without prefill_chunk_size, or use a model with causal "
+            "statistics"
         )
 
 

@@ -166,7 +166,7 @@ def cached_length(layer, new: int = 0) -> int:
         raise ValueError(
             f"the KV cache's sliding window drops {dropped} key(s); energy-gated attention keeps its per-key gate "
             "state (statistics over every earlier token) in the cache and cannot continue past the window: pass "
-            "`past_key_values=transformers.DynamicCache()` (built without the config, its layers keep every key; "
+            "`cache=transformers.DynamicCache()` (built without the config, its layers keep every key; "
             "the attention mask still applies the window). A static cache drops keys past the window too"
         )
     raise ValueError(

@@ -206,10 +206,10 @@ class EnergyGatedModelMixin:
     # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none).
     create_masks_for_generate = staticmethod(keep_padding_mask_for_generate)
 
-    def _validate_generation_mode(self, generation_mode, *args, **kwargs):
+    def _validate_generation_mode(self, generation_mode, generation_config, *args, **kwargs):
         normalization = self.config.energy_gates.get("normalization")
-        check_generation_mode(normalization, generation_mode, type(self).__name__)
-        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
+        check_generation_mode(normalization, generation_mode, generation_config, type(self).__name__)
+        return super()._validate_generation_mode(generation_mode, generation_config, *args, **kwargs)
 
     def initialize_weights(self):
         # The stock `_init_weights` (run per sub-model) does not know the gate parameters: initialise them first

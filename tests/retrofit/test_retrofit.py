@@ -175,10 +175,10 @@ def test_a_static_cache_with_a_sliding_window_generates_while_the_window_drops_n
     static = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static")
     assert torch.equal(static, dynamic)
     model.config.sliding_window = 14  # the prompt (12) and two new tokens fit, the third does not
-    with pytest.raises(ValueError, match=r"window drops 1 key.*past_key_values=transformers.DynamicCache\(\)"):
+    with pytest.raises(ValueError, match=r"window drops 1 key.*cache=transformers.DynamicCache\(\)"):
         model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static")
     # The way out the error names: a cache whose layers keep every key; the mask still applies the window
-    kept = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, past_key_values=DynamicCache())
+    kept = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=DynamicCache())
     uncached = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=False)
     assert torch.equal(kept, uncached)
 
@@ -596,18 +596,19 @@ def test_window_statistics_rebias_every_cached_key(tmp_path):
 
 
 @pytest.mark.parametrize("normalization", ["causal", "window"])
-def test_prompt_lookup_decoding_gives_the_greedy_tokens_and_is_refused_under_window_statistics(normalization,
-                                                                                                tmp_path):
+def test_prompt_lookup_and_chunked_prefill_give_the_greedy_tokens_and_are_refused_under_window_statistics(
+        normalization, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
     add_energy_gates(model, EnergyGateConfig(normalization=normalization))
     randomise_gates(model)
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # repeats, so that prompt lookup proposes drafts
     greedy = model.generate(ids, max_new_tokens=8, do_sample=False)
-    if normalization == "window":
-        with pytest.raises(ValueError, match="window statistics"):
-            model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
-    else:
-        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3), greedy)
+    for option in ({"prompt_lookup_num_tokens": 3}, {"prefill_chunk_size": 4}):  # drafts; the prompt in 3 calls
+        if normalization == "window":
+            with pytest.raises(ValueError, match="window statistics"):
+                model.generate(ids, max_new_tokens=8, do_sample=False, **option)
+        else:
+            assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, **option), greedy)
 
 
 @pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)

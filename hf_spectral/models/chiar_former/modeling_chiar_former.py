@@ -861,6 +861,18 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    def _validate_generation_mode(self, generation_mode, generation_config, *args, **kwargs):
+        # transformers refuses a main model whose cache cannot be cropped back after the drafts are verified, but
+        # not a draft model: RBF mixing's prefix sums (linear-attention cache layers) cannot be rolled back.
+        if getattr(generation_config, "is_assistant", False) and {"linear_attention", "hybrid"} & set(
+                self.config.layer_types):
+            raise ValueError(
+                f"this {type(self).__name__} cannot be an assistant_model: its cache holds RBF mixing's prefix sums "
+                "(or only recurrent layers), which cannot be cropped back after the drafts are verified. Use a "
+                "draft model whose layers are DCT mixing and attention"
+            )
+        return super()._validate_generation_mode(generation_mode, generation_config, *args, **kwargs)
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(

@@ -418,10 +418,10 @@ class EGAForCausalLM(EGAPreTrainedModel, GenerationMixin):
                 f"Ask for at most {max(0, self.config.max_position_embeddings - input_ids_length)} new tokens."
             )
 
-    def _validate_generation_mode(self, generation_mode, *args, **kwargs):
+    def _validate_generation_mode(self, generation_mode, generation_config, *args, **kwargs):
         normalization = self.config.energy_normalization if self.config.gated_layers else "none"
-        check_generation_mode(normalization, generation_mode, type(self).__name__)
-        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
+        check_generation_mode(normalization, generation_mode, generation_config, type(self).__name__)
+        return super()._validate_generation_mode(generation_mode, generation_config, *args, **kwargs)
 
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
