@@ -40,6 +40,8 @@ def classifier_attention_mask(model_name: str, input_ids, inputs_embeds, attenti
         return attention_mask
     if input_ids is not None and pad_token_id is not None:
         return (input_ids != pad_token_id).long()  # attention and gates skip padding too
+    if input_ids is None and inputs_embeds is None:
+        return None  # the model itself names what is missing
     rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
     if rows > 1:
         source = "`inputs_embeds`" if input_ids is None else "`input_ids` with no `pad_token_id` in the config"

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..evaluation import evaluation_mode
+from ..ops.pooling import SequencePooling, classifier_attention_mask
 from ..ops.positions import token_positions
 from .generative import validate_correlation_matrix
 from .pooling import (
@@ -93,16 +94,19 @@ def _as_mapping(batch) -> Mapping:
 
 
 def _split_batch(batch, model):
-    """(model inputs without labels, labels or None), tensors moved to the model's device. A batch without an
-    attention mask gets the one the model's classification head builds from ``config.pad_token_id``, so that these
-    tools index the real tokens the model attends to and pools, not its padding."""
+    """(model inputs without labels, labels or None), tensors moved to the model's device. For a model with the
+    shared pooling head, a batch without an attention mask gets the one that head builds from
+    ``config.pad_token_id``, so that these tools index the real tokens the model attends to and pools, not its
+    padding (other models run the batch as it is)."""
     device = _device(model)
     batch = _as_mapping(batch)
     labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
     inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k not in LABEL_KEYS}
-    pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
-    if inputs.get("attention_mask") is None and torch.is_tensor(inputs.get("input_ids")) and pad_token_id is not None:
-        inputs["attention_mask"] = (inputs["input_ids"] != pad_token_id).long()
+    if inputs.get("attention_mask") is None and isinstance(getattr(model, "pooling", None), SequencePooling):
+        mask = classifier_attention_mask(type(model).__name__, inputs.get("input_ids"), inputs.get("inputs_embeds"),
+                                         None, getattr(getattr(model, "config", None), "pad_token_id", None))
+        if mask is not None:
+            inputs["attention_mask"] = mask
     return inputs, labels
 
 

@@ -65,6 +65,7 @@ def test_the_classifier_mask_comes_from_the_pad_token_or_a_warning():
     with CaptureLogger(pooling.logger) as captured:
         classifier_attention_mask("M", None, torch.zeros(2, 3, 4), None, 0)
     assert "`inputs_embeds` and no `attention_mask`" in captured.out
+    assert classifier_attention_mask("M", None, None, None, 0) is None  # the model names the missing input
 
 
 def test_unknown_mode_is_refused():

@@ -294,10 +294,12 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
         if not is_torchdynamo_compiling():  # values: checked eagerly only (a compiled graph cannot raise on data)
             low, high = position_ids.aminmax()
             if low < 0 or high >= config.max_position_embeddings:
+                past_context = high >= config.max_position_embeddings
                 raise ValueError(
                     f"position_ids must lie in [0, max_position_embeddings = {config.max_position_embeddings}), got "
-                    f"values from {int(low)} to {int(high)} (in generate(): the prompt's tokens plus max_new_tokens "
-                    "run past the learned positions)"
+                    f"values from {int(low)} to {int(high)}"
+                    + (" (if from generate(): the prompt's tokens plus max_new_tokens run past the learned positions)"
+                       if past_context else "")
                 )
 
 

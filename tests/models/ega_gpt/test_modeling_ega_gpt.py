@@ -431,7 +431,7 @@ def test_output_attentions_under_fused_backends_warn_and_fall_back_to_eager(back
         (dict(input_ids=torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 4)),
          r"attention_mask has shape \(2, 4\)"),
         (dict(input_ids=torch.ones(2, 5, dtype=torch.long), position_ids=torch.tensor([[0, 1, -1, 2, 3]] * 2)),
-         r"position_ids must lie in \[0, max_position_embeddings = 48\), got values from -1 to 3"),
+         r"position_ids must lie in \[0, max_position_embeddings = 48\), got values from -1 to 3$"),
         (dict(input_ids=torch.ones(2, 5, dtype=torch.long), position_ids=torch.tensor([[0, 1, 2, 3, 48]])),
          r"got values from 0 to 48"),
         (dict(input_ids=torch.ones(2, 5, dtype=torch.long), position_ids=torch.arange(5)),
@@ -472,7 +472,7 @@ def test_generation_past_the_context_is_announced_up_front_and_named_where_it_st
         assert model.generate(prompt, max_new_tokens=8, do_sample=False).shape == (1, 48)  # fits: no warning
     assert captured.out == ""
     with CaptureLogger(modeling_ega_gpt.logger) as captured:
-        with pytest.raises(ValueError, match=r"got values from 48 to 48 \(in generate\(\): the prompt's tokens"):
+        with pytest.raises(ValueError, match=r"got values from 48 to 48 \(if from generate\(\): the prompt's tokens"):
             model.generate(prompt, max_new_tokens=10, do_sample=False)
     assert "may run to 50 positions (40 in the input" in captured.out and "at most 8 new tokens" in captured.out
 
@@ -622,6 +622,8 @@ def test_sequence_classification_pools_left_and_right_padding_alike(pooling):
     out = model(ids, labels=torch.tensor([0, 2]))
     out.loss.backward()
     assert out.logits.shape == (2, 3) and torch.isfinite(out.loss)
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        model()
 
 
 def test_leak_free_evaluation_equals_the_forward_for_causal_models_only():
