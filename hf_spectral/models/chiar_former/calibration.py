@@ -16,6 +16,8 @@ import torch
 # 3 operators: the authors' percentiles. 2 operators (DCT / attention): τ_mid at the 75th percentile sends ≈ 25% of
 # the tokens to attention, the fraction behind the authors' 62.5% attention-FLOP saving (SPEC 2.3).
 DEFAULT_PERCENTILES = {3: (33.0, 67.0), 2: (75.0,)}
+# Passes of the shared calibration (several routed layers) before it stops without a fixed point.
+MAX_SHARED_PASSES = 10
 
 
 def _as_model_inputs(batch) -> dict:
@@ -104,18 +106,22 @@ def calibrate_thresholds(
 
     Args:
         model: a CHIAR-Former (any head) with threshold routing.
-        dataloader: see :func:`measure_entropies`; it is iterated once per pass. With ``per_layer=True`` a
-            one-shot iterator (a generator) is first read into a list (up to ``max_batches`` batches), so its
-            batches are held in memory for the passes of every routed layer.
+        dataloader: see :func:`measure_entropies`; it is iterated once per pass. Where several passes may run
+            (several routed layers) a one-shot iterator (a generator) is first read into a list (up to
+            ``max_batches`` batches), so its batches are held in memory for every pass.
         percentiles: a sequence of one value (τ_mid, 2 routed operators) or two (τ_lo, τ_hi, 3 operators) in
             [0, 100]; default 75 (≈ 25% of tokens to attention) or the authors' 33 / 67.
-        per_layer: False (default): one τ set shared by all routed layers (the `tau_*` fields), from the pooled
-            entropies of every routed layer in a single pass. True: one set per routed layer (`layer_thresholds`),
-            calibrated layer after layer — each layer's entropies are measured with the earlier layers already
-            routing by their final thresholds, so each layer hits its percentiles on this data.
+        per_layer: False (default): one τ set shared by all routed layers (the `tau_*` fields), the percentiles of
+            the pooled entropies of every routed layer. The entropies of a routed layer after the first depend on
+            how the earlier ones route, that is on the thresholds being set: the passes repeat, each measuring
+            under the thresholds the last one set, until the thresholds reproduce themselves (the pooled entropies
+            measured under them have them as percentiles), at most `MAX_SHARED_PASSES` passes (one pass for a
+            single routed layer). True: one set per routed layer (`layer_thresholds`), calibrated layer after
+            layer — each layer's entropies are measured with the earlier layers already routing by their final
+            thresholds, so each layer hits its percentiles on this data.
         max_batches: stop each pass after this many batches.
 
-    Returns ``{"thresholds": {layer index: [τ...]}, "percentiles": [...]}``; the model routes with the new
+    Returns ``{"thresholds": {layer index: [τ...]}, "percentiles": [...], "passes": n}``; the model routes with the new
     thresholds from its next forward pass on. When a pass fails, the config's thresholds are restored before the
     error propagates.
     """
@@ -140,10 +146,10 @@ def calibrate_thresholds(
     if list(percentiles) != sorted(percentiles):
         raise ValueError(f"`percentiles` must be non-decreasing, got {percentiles!r}")
 
-    if per_layer and isinstance(dataloader, Iterator):
-        # A one-shot iterator (a generator: `iter(x) is x`) would be exhausted after the first layer's pass; keep its
-        # batches for the passes of the later layers. (Tested without calling `iter`, which on a DataLoader would
-        # start its workers for nothing.)
+    if len(config.routed_layers) > 1 and isinstance(dataloader, Iterator):
+        # A one-shot iterator (a generator: `iter(x) is x`) would be exhausted after the first pass; keep its
+        # batches for the later passes. (Tested without calling `iter`, which on a DataLoader would start its
+        # workers for nothing.)
         dataloader = list(itertools.islice(dataloader, max_batches) if max_batches is not None else dataloader)
 
     # The fields this function sets, restored when a pass fails so that the model is not left half-calibrated.
@@ -157,15 +163,21 @@ def calibrate_thresholds(
                 entropies = measure_entropies(model, dataloader, max_batches)[position]
                 thresholds[layer_idx] = _percentiles(entropies, percentiles)
                 config.layer_thresholds = thresholds
-            result = {i: thresholds[i] for i in config.routed_layers}
+            result, passes = {i: thresholds[i] for i in config.routed_layers}, len(config.routed_layers)
         else:
-            entropies = torch.cat(measure_entropies(model, dataloader, max_batches))
-            values = _percentiles(entropies, percentiles)
-            if num_thresholds == 1:
-                config.tau_mid = values[0]
-            else:
-                config.tau_lo, config.tau_hi = values
             config.layer_thresholds = None
+            seen = [[config.tau_mid] if num_thresholds == 1 else [config.tau_lo, config.tau_hi]]
+            for passes in range(1, MAX_SHARED_PASSES + 1):
+                values = _percentiles(torch.cat(measure_entropies(model, dataloader, max_batches)), percentiles)
+                if num_thresholds == 1:
+                    config.tau_mid = values[0]
+                else:
+                    config.tau_lo, config.tau_hi = values
+                # Stop at a fixed point, or where the passes cycle; the first routed layer's entropies do not
+                # depend on the thresholds, so one routed layer needs one pass.
+                if values in seen or len(config.routed_layers) == 1:
+                    break
+                seen.append(values)
             result = dict.fromkeys(config.routed_layers, values)
         config._validate()
     except BaseException:
@@ -174,7 +186,7 @@ def calibrate_thresholds(
         raise
     finally:
         model.train(was_training)
-    return {"thresholds": result, "percentiles": list(percentiles)}
+    return {"thresholds": result, "percentiles": list(percentiles), "passes": passes}
 
 
 __all__ = ["DEFAULT_PERCENTILES", "calibrate_thresholds", "measure_entropies"]

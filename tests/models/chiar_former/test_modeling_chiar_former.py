@@ -120,6 +120,25 @@ def test_per_layer_calibration_hits_the_percentile_in_every_routed_layer():
         assert fractions[1].item() == pytest.approx(0.25, abs=1.5 / ids.numel())
 
 
+def test_shared_calibration_hits_the_pooled_percentile_whatever_the_thresholds_before():
+    """The entropies of the routed layers after the first depend on the thresholds being set: the shared calibration
+    repeats its pass until the thresholds reproduce themselves (one pass had left the pooled share at the
+    thresholds before, 70% instead of 75% below τ_mid here, and a second calibration moved τ_mid again)."""
+    ids = random_ids(4, 32, seed=4)
+    model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=5), calibrate_on=None)
+    batches = [ids[:2], ids[2:]]
+    result = calibrate_thresholds(model, batches, percentiles=(75.0,))
+    assert 1 < result["passes"] < 10
+    pooled = torch.cat([entropy.flatten() for entropy in model(ids).routing_entropies])
+    assert (pooled <= model.config.tau_mid).float().mean().item() == pytest.approx(0.75, abs=1.5 / pooled.numel())
+    tau_mid = model.config.tau_mid
+    assert calibrate_thresholds(model, batches, percentiles=(75.0,))["passes"] == 1  # already a fixed point
+    assert model.config.tau_mid == tau_mid
+    model.config.tau_mid = 0.99  # from other thresholds, the same fixed point
+    calibrate_thresholds(model, (batch for batch in batches), percentiles=(75.0,))  # a generator: read once
+    assert model.config.tau_mid == tau_mid
+
+
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_calibrated_thresholds_never_sit_on_a_measured_entropy(per_layer):
     # Few token ids, many repeats: in the first routed layer a token's entropy depends on its id alone, so the
