@@ -339,8 +339,8 @@ def finetune_arm(arm, seed, pretrained_dir, args, preset, data, tokenizer, runs)
     trainer, interrupt = build_trainer(
         model, run_dir, phase, seed, data["finetune"].datasets["train"], curve_set, tokenizer, args,
         optimizer=make_optimizer(model, preset, arm), hub_model_id=hub_model_id, run_name=f"retrofit_gpt2/{run_name}",
-        model_card_fn=lambda directory: write_arm_card(directory, arm, seed, preset, args, summary, gate_config,
-                                                       hub_model_id or "<user>/<repo>"),
+        model_card_fn=lambda directory, repo_id: write_arm_card(
+            directory, arm, seed, preset, args, summary, gate_config, repo_id or hub_model_id or "<user>/<repo>"),
     )
     timing = train_or_resume(trainer, interrupt, run_dir, phase.max_steps)
     if timing is None:
@@ -391,11 +391,12 @@ def write_arm_card(directory, arm, seed, preset, args, summary, gate_config, rep
     table = "| metric | value |\n|---|---|\n" + "".join(f"| {n} | {v:.4f} |\n" for n, _, _, v in rows if v is not None)
     peft_arm = "lora" in arm
     if peft_arm:
-        usage = ("import hf_spectral\nfrom hf_spectral.retrofit import EnergyGateConfig, add_energy_gates\n"
+        # The adapter records its gates (energy_gate_config.json): with hf_spectral imported, PeftModel adds them.
+        usage = ("import hf_spectral  # adds the adapter's energy gates to the base model\n"
                  "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n\n"
+                 "# the pretrained GPT-2 this adapter was trained on (a local folder: it is not on the Hub)\n"
                  "base = AutoModelForCausalLM.from_pretrained(PRETRAINED_GPT2_FOLDER)\n"
-                 + ("add_energy_gates(base, EnergyGateConfig.from_pretrained(\"%s\"))\n" % repo_id if gate_config else "")
-                 + f"model = PeftModel.from_pretrained(base, \"{repo_id}\")")
+                 f"model = PeftModel.from_pretrained(base, \"{repo_id}\")")
     else:
         usage = ("from transformers import AutoModelForCausalLM\n\n"
                  "# The repository carries the energy-gated GPT-2's code: with trust_remote_code=True, transformers\n"

@@ -1,6 +1,7 @@
 """End-to-end smoke runs of the character-level recipes: outputs, model cards, Hub push, resume, torchrun."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -30,22 +31,23 @@ def pushed_smoke_run(tiny_shakespeare, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("tinyshakespeare_smoke")
     uploads, created = [], []
 
-    def create_repo(self, repo_id, **kwargs):
+    def create_repo(self, repo_id, **kwargs):  # the Hub puts a repository without a namespace in the user's
         created.append((repo_id, kwargs.get("private")))
-        return RepoUrl(f"https://huggingface.co/{repo_id}")
+        return RepoUrl(f"https://huggingface.co/{repo_id if '/' in repo_id else 'someone/' + repo_id}")
 
     def upload_folder(self, *, repo_id, folder_path, **kwargs):
         files = sorted(os.listdir(folder_path))
         readme = open(os.path.join(folder_path, "README.md"), encoding="utf-8").read() if "README.md" in files else None
-        uploads.append({"repo_id": repo_id, "files": files, "readme": readme, "ignore": kwargs.get("ignore_patterns")})
+        uploads.append({"repo_id": repo_id, "files": files, "readme": readme, "ignore": kwargs.get("ignore_patterns"),
+                        "message": kwargs.get("commit_message", "")})
         return mock.MagicMock()
 
     previous_umask = os.umask(0o022)  # what the files' permissions are checked against
     with mock.patch.object(HfApi, "create_repo", create_repo), mock.patch.object(HfApi, "upload_folder", upload_folder):
         code = tinyshakespeare.main([
             "--smoke", "--variants", "BASE", "EGA-1:window", "--data_path", tiny_shakespeare,
-            "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "someone/ega-smoke",
-            "--hub_strategy", "end", "--threads", "2",
+            "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "ega-smoke",
+            "--hub_strategy", "every_save", "--threads", "2",
         ])
     os.umask(previous_umask)
     return {"dir": output_dir, "code": code, "uploads": uploads, "created": created}
@@ -89,6 +91,13 @@ def test_window_model_is_reported_with_its_leak_free_loss(pushed_smoke_run):
     # beside it, the ordinary loss on the same tokens: the pair that measures the leak
     same_tokens = summary["val_loss_same_blocks"]
     assert f"| ordinary validation loss on the same tokens (sees future tokens) | {same_tokens:.4f} |" in card
+    # In the model index (the Hub's evaluation widget) every ordinary number says it saw the future; the leak-free
+    # loss comes as perplexity and bits per character too
+    metadata = ModelCard.load(pushed_smoke_run["dir"] / "EGA-1-window-seed0" / "README.md").data
+    names = {result.metric_name: result.metric_value for result in metadata.eval_results}
+    assert all("LEAK-FREE" in name or "sees future tokens" in name for name in names), sorted(names)
+    assert "validation perplexity (sees future tokens)" in names
+    assert names["LEAK-FREE validation perplexity"] == pytest.approx(math.exp(summary["val_loss_leak_free"]), rel=1e-3)
 
 
 def test_model_card_metadata_holds_the_measured_results(pushed_smoke_run):
@@ -105,13 +114,21 @@ def test_model_card_metadata_holds_the_measured_results(pushed_smoke_run):
 
 
 def test_push_to_hub_uploads_each_model_with_its_card(pushed_smoke_run):
-    repos = {upload["repo_id"]: upload for upload in pushed_smoke_run["uploads"]}
+    repos = {upload["repo_id"]: upload for upload in pushed_smoke_run["uploads"]}  # the last push of each
     assert set(repos) == {"someone/ega-smoke-BASE-seed0", "someone/ega-smoke-EGA-1-window-seed0"}
-    for upload in repos.values():
+    for repo_id, upload in repos.items():
         assert {"README.md", "model.safetensors", "config.json", "vocab.json"} <= set(upload["files"])
         assert "model-index" in upload["readme"]
         assert any(pattern.startswith("checkpoint") for pattern in upload["ignore"])
-    assert "someone/ega-smoke-BASE-seed0" in [repo for repo, _ in pushed_smoke_run["created"]]
+        # the card names the repository as the Hub resolved it (it had named the local folder or the bare name)
+        assert f'from_pretrained("{repo_id}", trust_remote_code=True)' in upload["readme"]
+    assert "ega-smoke-BASE-seed0" in [repo for repo, _ in pushed_smoke_run["created"]]
+    # Pushes of checkpoints during training carry the model's code: the repository loads with trust_remote_code at
+    # every commit (Trainer copies only the config and weight files)
+    in_progress = [upload for upload in pushed_smoke_run["uploads"] if "Training in progress" in upload["message"]]
+    assert len(in_progress) >= 2
+    assert all({"modeling_ega_gpt.py", "configuration_ega_gpt.py", "energy_gate.py"} <= set(upload["files"])
+               for upload in in_progress)
 
 
 def test_saved_model_reloads_with_its_learned_gates(pushed_smoke_run):

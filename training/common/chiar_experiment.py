@@ -713,8 +713,9 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
         eval_dataset={"validation_curve": curve_set}, data_collator=data.collator, processing_class=data.tokenizer,
         compute_metrics=data.compute_metrics, preprocess_logits_for_metrics=data.preprocess_logits,
         callbacks=callbacks, timer=timer, routing_log=routing_log,
-        model_card_fn=lambda directory: write_card(directory, arm, preset, task, summary, model, data,
-                                                   repo_id=hub_model_id if args.push_to_hub else "<user>/<repo>"),
+        model_card_fn=lambda directory, repo_id: write_card(
+            directory, arm, preset, task, summary, model, data,
+            repo_id=repo_id or (hub_model_id if args.push_to_hub else None) or "<user>/<repo>"),
     )
     if checkpoint:
         print(f"[{arm.name}] resuming from {checkpoint}", flush=True)

@@ -12,6 +12,7 @@ from the newest complete one. The comparison of all runs goes to ``<output_dir>/
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 from dataclasses import dataclass
@@ -282,7 +283,7 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
     settings = run_settings(preset, args, data_fingerprint(data.tokenizer, data.datasets))
     run_dir, done = open_run_dir(output_dir, spec.name, args.restart, settings, getattr(args, "push_to_hub", False))
     hub_model_id = hub_repo_id(args, spec.name, runs)
-    card_repo_id = hub_model_id if getattr(args, "push_to_hub", False) else "<user>/<repo>"
+    card_repo_id = (hub_model_id if getattr(args, "push_to_hub", False) else None) or "<user>/<repo>"
     if done is not None:
         if getattr(args, "eval_test", False) and "test" in data.datasets and "test_loss" not in done:
             done = add_test_loss(run_dir, done, spec, data, preset, benchmark, args, card_repo_id)
@@ -297,8 +298,8 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
         fixed_subset(data.datasets["validation"], preset.eval_batches * preset.batch_size), tokenizer, args,
         chars_per_token=data.chars_per_token("validation"), run_name=f"{benchmark.recipe}/{spec.name}",
         hub_model_id=hub_model_id,
-        model_card_fn=lambda directory: write_card(directory, spec, preset, benchmark, summary, model,
-                                                   repo_id=card_repo_id),
+        model_card_fn=lambda directory, repo_id: write_card(directory, spec, preset, benchmark, summary, model,
+                                                            repo_id=repo_id or card_repo_id),
     )
     timing = train_or_resume(trainer, interrupt, run_dir, preset.max_steps)
     if timing is None:
@@ -410,6 +411,16 @@ def write_card(directory: str, spec: RunSpec, preset: LMPreset, benchmark: Bench
                      summary.get("val_loss_same_blocks"))]
     if "test_loss" in summary:
         rows.append(("test loss (nats/char)", "loss", "test", summary["test_loss"]))
+    if summary.get("sees_future"):
+        # Window statistics: every ordinary number above saw future tokens, the model index included; the leak-free
+        # loss is the honest one, given as perplexity and bits per character too.
+        rows = [(name if "LEAK-FREE" in name or "sees future" in name else f"{name} (sees future tokens)", kind,
+                 split, value) for name, kind, split, value in rows]
+        if "val_loss_leak_free" in summary:
+            rows[1:1] = [("LEAK-FREE validation perplexity", "perplexity", "validation",
+                          math.exp(summary["val_loss_leak_free"])),
+                         ("LEAK-FREE validation bits per character", "bits_per_char", "validation",
+                          summary["val_loss_leak_free"] / math.log(2))]
     table = "| metric | value |\n|---|---|\n" + "".join(
         f"| {name} | {value:.4f} |\n" for name, _, _, value in rows if value is not None)
     notes = []

@@ -99,7 +99,11 @@ class RecipeTrainer(Trainer):
     * Gate scalars (τ, α, mixing logits, Morlet ω₀ / σ) get no weight decay, like every other non-matrix
       parameter in the authors' nanoGPT-style optimiser; decaying them would pull the gates towards 0.
     * ``create_model_card`` (called by ``push_to_hub`` too) writes the recipe's card, with the measured
-      results, instead of Trainer's generic draft.
+      results, instead of Trainer's generic draft: ``model_card_fn(folder, repo_id)``, ``repo_id`` the Hub
+      repository the trainer pushes to (its namespace resolved) or ``None``.
+    * The pushes of checkpoints during training (``hub_strategy`` every_save / checkpoint) carry the model's code
+      and gate configuration with the weights, so that the repository loads with ``trust_remote_code`` at every
+      commit (Trainer copies only the config and weight files).
     """
 
     def __init__(self, *args, model_card_fn=None, **kwargs):
@@ -120,4 +124,11 @@ class RecipeTrainer(Trainer):
             return
         if self.model_card_fn is None:
             return super().create_model_card(*args, **kwargs)
-        self.model_card_fn(self.args.output_dir)
+        self.model_card_fn(self.args.output_dir, getattr(self, "hub_model_id", None))  # set by init_hf_repo
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self.is_world_process_zero():
+            for name in os.listdir(checkpoint_folder):
+                if name.endswith(".py") or name == "energy_gate_config.json":
+                    shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(self.args.output_dir, name))
+        super()._push_from_checkpoint(checkpoint_folder)
