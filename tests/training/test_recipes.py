@@ -43,7 +43,8 @@ def pushed_smoke_run(tiny_shakespeare, tmp_path_factory):
         return mock.MagicMock()
 
     previous_umask = os.umask(0o022)  # what the files' permissions are checked against
-    with mock.patch.object(HfApi, "create_repo", create_repo), mock.patch.object(HfApi, "upload_folder", upload_folder):
+    with mock.patch.object(HfApi, "create_repo", create_repo), mock.patch.object(HfApi, "upload_folder", upload_folder), \
+            mock.patch.object(HfApi, "whoami", lambda self, *args, **kwargs: {"name": "someone"}):
         code = tinyshakespeare.main([
             "--smoke", "--variants", "BASE", "EGA-1:window", "--data_path", tiny_shakespeare,
             "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "ega-smoke",
@@ -396,6 +397,17 @@ def test_the_recipe_runs_under_torchrun_with_two_cpu_processes(tiny_shakespeare,
     summary = _summary(tmp_path / "EGA-1-causal-seed0")
     assert summary["steps"] == 12 and summary["val_loss"] > 0
     assert "validation loss  EGA-1 (causal)" in result.stdout
+
+
+def test_push_to_hub_without_hub_access_is_refused_before_the_data_is_read(tiny_shakespeare, tmp_path, capsys):
+    def no_network(self, *args, **kwargs):
+        raise OSError("[Errno -2] Name or service not known")
+
+    with mock.patch.object(HfApi, "whoami", no_network):
+        code = tinyshakespeare.main(["--smoke", "--data_path", tiny_shakespeare, "--output_dir", str(tmp_path / "out"),
+                                     "--push_to_hub"])
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert "error: --push_to_hub: cannot use the Hugging Face Hub (OSError: [Errno -2]" in capsys.readouterr().err
 
 
 def test_a_complete_run_says_it_is_not_pushed_again(tmp_path, capsys):

@@ -162,6 +162,18 @@ def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | Non
     return run_dir, None
 
 
+def hub_access_problem(token: str | None) -> str | None:
+    """Why the Hub cannot take pushes from here (no network, no token, a token it refuses), or None."""
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi(token=token).whoami()
+    except Exception as error:  # a connection error (httpx), a missing token (OSError), an HTTP error: all mean no
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return f"cannot use the Hugging Face Hub ({type(error).__name__}: {first_line}); log in with `hf auth login`"
+    return None
+
+
 def prepare_recipe(args, recipe: str, preset_name: str, preset, load_data) -> tuple[str, object]:
     """What a recipe does before its runs: torch's thread count (``--threads``), the output folder (``--output_dir``,
     else ``runs/<recipe>-<preset>``) and ``load_data(args, preset, tokenizer_dir)``, run by the main process first
@@ -170,6 +182,11 @@ def prepare_recipe(args, recipe: str, preset_name: str, preset, load_data) -> tu
     output_dir = args.output_dir or os.path.join("runs", f"{recipe}-{preset_name}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if getattr(args, "push_to_hub", False):
+        problem = hub_access_problem(getattr(args, "hub_token", None))
+        if problem is not None:  # said before any data is prepared or trained, not at the first push
+            print(f"error: --push_to_hub: {problem}", file=sys.stderr)
+            return output_dir, None
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         print(f"error: --output_dir {output_dir} exists and is not a folder", file=sys.stderr)
         return output_dir, None
