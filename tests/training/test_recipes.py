@@ -43,8 +43,11 @@ def pushed_smoke_run(tiny_shakespeare, tmp_path_factory):
         return mock.MagicMock()
 
     previous_umask = os.umask(0o022)  # what the files' permissions are checked against
-    with mock.patch.object(HfApi, "create_repo", create_repo), mock.patch.object(HfApi, "upload_folder", upload_folder), \
-            mock.patch.object(HfApi, "whoami", lambda self, *args, **kwargs: {"name": "someone"}):
+    def whoami(self, *args, **kwargs):
+        return {"name": "someone"}
+
+    with mock.patch.object(HfApi, "create_repo", create_repo), mock.patch.object(HfApi, "whoami", whoami), \
+            mock.patch.object(HfApi, "upload_folder", upload_folder):
         code = tinyshakespeare.main([
             "--smoke", "--variants", "BASE", "EGA-1:window", "--data_path", tiny_shakespeare,
             "--output_dir", str(output_dir), "--push_to_hub", "--hub_model_id", "ega-smoke",
