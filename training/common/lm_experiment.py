@@ -337,6 +337,8 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
     if is_main_process():
         summary.update(command=current_command(), preset=preset.to_dict(), hardware=hardware_summary(),
                        log_history=trainer.state.log_history)
+        if getattr(trainer, "hub_model_id", None):  # the repository as the Hub resolved it, for later cards
+            summary["hub_model_id"] = trainer.hub_model_id
         if not args.no_plots:
             write_run_plots(run_dir, spec, model, data, trainer.state.log_history, benchmark)
     if args.push_to_hub:
@@ -368,7 +370,7 @@ def add_test_loss(run_dir: str, summary: dict, spec: RunSpec, data: LMData, pres
                "test_bits_per_char": metrics["eval_test_bits_per_char"]}
     print(f"[{spec.name}] --eval_test: test loss {summary['test_loss']:.4f} nats/char from the saved model", flush=True)
     if is_main_process():
-        write_card(run_dir, spec, preset, benchmark, summary, model, repo_id=repo_id)
+        write_card(run_dir, spec, preset, benchmark, summary, model, repo_id=summary.get("hub_model_id") or repo_id)
         write_json(os.path.join(run_dir, "summary.json"), summary)
     return summary
 
@@ -416,11 +418,13 @@ def write_card(directory: str, spec: RunSpec, preset: LMPreset, benchmark: Bench
         # loss is the honest one, given as perplexity and bits per character too.
         rows = [(name if "LEAK-FREE" in name or "sees future" in name else f"{name} (sees future tokens)", kind,
                  split, value) for name, kind, split, value in rows]
-        if "val_loss_leak_free" in summary:
+        # the ordinary figures' conversion (1 / ln 2 per character, scaled by the characters per token)
+        bits_per_char_per_nat = summary.get("val_bits_per_char", math.nan) / summary.get("val_loss", math.nan)
+        if "val_loss_leak_free" in summary and math.isfinite(bits_per_char_per_nat):
             rows[1:1] = [("LEAK-FREE validation perplexity", "perplexity", "validation",
                           math.exp(summary["val_loss_leak_free"])),
                          ("LEAK-FREE validation bits per character", "bits_per_char", "validation",
-                          summary["val_loss_leak_free"] / math.log(2))]
+                          summary["val_loss_leak_free"] * bits_per_char_per_nat)]
     table = "| metric | value |\n|---|---|\n" + "".join(
         f"| {name} | {value:.4f} |\n" for name, _, _, value in rows if value is not None)
     notes = []

@@ -170,7 +170,9 @@ def hub_access_problem(token: str | None) -> str | None:
         HfApi(token=token).whoami()
     except Exception as error:  # a connection error (httpx), a missing token (OSError), an HTTP error: all mean no
         first_line = (str(error).strip().splitlines() or [""])[0]
-        return f"cannot use the Hugging Face Hub ({type(error).__name__}: {first_line}); log in with `hf auth login`"
+        unknown = type(error).__name__ == "LocalTokenNotFoundError" or "401" in first_line
+        return (f"cannot use the Hugging Face Hub ({type(error).__name__}: {first_line})"
+                + ("; log in with `hf auth login` or pass --hub_token" if unknown else ""))
     return None
 
 

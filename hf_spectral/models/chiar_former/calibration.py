@@ -9,6 +9,7 @@ import copy
 import itertools
 import math
 import numbers
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -116,13 +117,15 @@ def calibrate_thresholds(
             how the earlier ones route, that is on the thresholds being set: the passes repeat, each measuring
             under the thresholds the last one set, until the thresholds reproduce themselves (the pooled entropies
             measured under them have them as percentiles), at most `MAX_SHARED_PASSES` passes (one pass for a
-            single routed layer). True: one set per routed layer (`layer_thresholds`), calibrated layer after
-            layer — each layer's entropies are measured with the earlier layers already routing by their final
-            thresholds, so each layer hits its percentiles on this data.
+            single routed layer; a warning when they end without a fixed point). Every pass must read the same
+            batches: a shuffled DataLoader without ``max_batches`` gives each pass another sample. True: one set per
+            routed layer (`layer_thresholds`), calibrated layer after layer — each layer's entropies are measured
+            with the earlier layers already routing by their final thresholds, so each layer hits its percentiles
+            on this data.
         max_batches: stop each pass after this many batches.
 
-    Returns ``{"thresholds": {layer index: [τ...]}, "percentiles": [...], "passes": n}``; the model routes with the new
-    thresholds from its next forward pass on. When a pass fails, the config's thresholds are restored before the
+    Returns ``{"thresholds": {layer index: [τ...]}, "percentiles": [...], "passes": n}``; the model routes with the
+    new thresholds from its next forward pass on. When a pass fails, the config's thresholds are restored before the
     error propagates.
     """
     config = model.config
@@ -146,10 +149,10 @@ def calibrate_thresholds(
     if list(percentiles) != sorted(percentiles):
         raise ValueError(f"`percentiles` must be non-decreasing, got {percentiles!r}")
 
-    if len(config.routed_layers) > 1 and isinstance(dataloader, Iterator):
-        # A one-shot iterator (a generator: `iter(x) is x`) would be exhausted after the first pass; keep its
-        # batches for the later passes. (Tested without calling `iter`, which on a DataLoader would start its
-        # workers for nothing.)
+    if len(config.routed_layers) > 1 and (isinstance(dataloader, Iterator) or max_batches is not None):
+        # A one-shot iterator (a generator: `iter(x) is x`) would be exhausted after the first pass, and a shuffled
+        # DataLoader cut at max_batches would give each pass another sample: the passes read the same batches,
+        # kept. (Tested without calling `iter`, which on a DataLoader would start its workers for nothing.)
         dataloader = list(itertools.islice(dataloader, max_batches) if max_batches is not None else dataloader)
 
     # The fields this function sets, restored when a pass fails so that the model is not left half-calibrated.
@@ -173,11 +176,19 @@ def calibrate_thresholds(
                     config.tau_mid = values[0]
                 else:
                     config.tau_lo, config.tau_hi = values
-                # Stop at a fixed point, or where the passes cycle; the first routed layer's entropies do not
-                # depend on the thresholds, so one routed layer needs one pass.
-                if values in seen or len(config.routed_layers) == 1:
+                # Stop at a fixed point (the first routed layer's entropies do not depend on the thresholds, so one
+                # routed layer needs one pass), or where the passes cycle.
+                fixed = values == seen[-1] or len(config.routed_layers) == 1
+                if fixed or values in seen:
                     break
                 seen.append(values)
+            if not fixed:
+                warnings.warn(
+                    f"calibrate_thresholds: the shared thresholds reached no fixed point in {passes} passes (the last "
+                    f"pass set {values}, the one before {seen[-1]}): the pooled shares may miss the percentiles "
+                    "slightly; per_layer=True calibrates each routed layer exactly",
+                    stacklevel=2,
+                )
             result = dict.fromkeys(config.routed_layers, values)
         config._validate()
     except BaseException:

@@ -139,6 +139,26 @@ def test_shared_calibration_hits_the_pooled_percentile_whatever_the_thresholds_b
     assert model.config.tau_mid == tau_mid
 
 
+def test_shared_calibration_reads_the_same_batches_in_every_pass_and_warns_without_a_fixed_point(monkeypatch):
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    from hf_spectral.models.chiar_former import calibration
+
+    ids = random_ids(8, 32, seed=4)
+    model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=5), calibrate_on=None)
+    shuffled = DataLoader(ids, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a shuffled sample per pass would chase the thresholds to the last pass
+        result = calibrate_thresholds(model, shuffled, percentiles=(75.0,), max_batches=2)
+    assert result["passes"] < calibration.MAX_SHARED_PASSES
+    monkeypatch.setattr(calibration, "MAX_SHARED_PASSES", 1)
+    model.config.tau_mid = 0.99
+    with pytest.warns(UserWarning, match="reached no fixed point in 1 passes"):
+        calibrate_thresholds(model, [ids], percentiles=(75.0,))
+
+
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_calibrated_thresholds_never_sit_on_a_measured_entropy(per_layer):
     # Few token ids, many repeats: in the first routed layer a token's entropy depends on its id alone, so the
