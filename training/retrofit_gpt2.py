@@ -388,6 +388,9 @@ def write_arm_card(directory, arm, seed, preset, args, summary, gate_config, rep
             ("generalisation gap (val − train)", "generalization_gap", "validation", summary.get("generalization_gap")),
             ("pretraining-corpus validation loss after fine-tuning", "loss", "validation",
              summary.get("pretrain_val_loss"))]
+    sees_future = gate_config is not None and gate_config.normalization == "window"
+    if sees_future:  # window statistics: every loss of the gated model saw future tokens, the model index included
+        rows = [(f"{name} (sees future tokens)", kind, split, value) for name, kind, split, value in rows]
     table = "| metric | value |\n|---|---|\n" + "".join(f"| {n} | {v:.4f} |\n" for n, _, _, v in rows if v is not None)
     peft_arm = "lora" in arm
     if peft_arm:
@@ -405,6 +408,10 @@ def write_arm_card(directory, arm, seed, preset, args, summary, gate_config, rep
     notes = ""
     if summary.get("gates"):
         notes = f"Learned gate threshold τ: mean {summary['gates']['tau_mean']:.3f}; slope α: mean {summary['gates']['alpha_mean']:.3f}."
+    if sees_future:
+        notes += (" The gates use window statistics (`--gate_normalization window`, the EGA authors'): each position's "
+                  "gate is normalised over the whole sequence, future tokens included, so these losses are not those "
+                  "of a causal language model.")
     card = build_model_card(
         "retrofit_gpt2.md",
         model_name=f"gpt2-retrofit-{arm.replace('+', '-')}-seed{seed}",

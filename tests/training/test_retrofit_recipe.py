@@ -117,3 +117,15 @@ def test_thread_counts_below_one_are_usage_errors(threads, capsys):
         retrofit_gpt2.main(["--threads", threads])
     assert exit_info.value.code == 2
     assert f"argument --threads: must be a positive integer, got {threads}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("normalization", ["causal", "window"])
+def test_a_window_gated_arm_card_marks_its_losses_as_seeing_future_tokens(normalization, tmp_path):
+    from huggingface_hub import ModelCard
+
+    args = retrofit_gpt2.build_parser().parse_args(["--smoke", "--gate_normalization", normalization])
+    summary = {"val_loss": 2.5, "train_loss": 2.4, "generalization_gap": 0.1, "pretrain_val_loss": 3.0}
+    retrofit_gpt2.write_arm_card(str(tmp_path), "gates", 0, retrofit_gpt2.PRESETS["smoke"], args, summary,
+                                 retrofit_gpt2.gate_config_from(args), "someone/rf")
+    names = [result.metric_name for result in ModelCard.load(tmp_path / "README.md").data.eval_results]
+    assert names and all(("sees future tokens" in name) == (normalization == "window") for name in names)
