@@ -532,12 +532,9 @@ def apply_thresholds(config, thresholds: dict, per_layer: bool):
             values[int(layer)] = [float(t) for t in taus]
         config.layer_thresholds = values
         return
-    shared = [float(t) for t in next(iter(thresholds.values()))]
-    if len(shared) == 1:
-        config.tau_mid = shared[0]
-    else:
-        config.tau_lo, config.tau_hi = shared
-    config.layer_thresholds = None
+    from hf_spectral.models.chiar_former.calibration import set_shared_thresholds
+
+    set_shared_thresholds(config, next(iter(thresholds.values())))
 
 
 @dataclass
@@ -641,8 +638,8 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
     from .data import fixed_subset
     from .presets import training_arguments
     from .runs import (
-        TRAINING_ARGUMENTS_WITHOUT_EFFECT, barrier, check_replicas_agree, data_fingerprint, hub_repo_id,
-        is_main_process, open_run_dir, print_stopped, run_settings, train_from, write_json,
+        TRAINING_ARGUMENTS_WITHOUT_EFFECT, barrier, check_replicas_agree, data_fingerprint, default_card_repo_id,
+        hub_repo_id, is_main_process, open_run_dir, print_stopped, run_settings, train_from, write_json,
     )
     from .trainer import last_complete_checkpoint, remove_checkpoints
 
@@ -715,7 +712,7 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
         callbacks=callbacks, timer=timer, routing_log=routing_log,
         model_card_fn=lambda directory, repo_id: write_card(
             directory, arm, preset, task, summary, model, data,
-            repo_id=repo_id or (hub_model_id if args.push_to_hub else None) or "<user>/<repo>"),
+            repo_id=repo_id or default_card_repo_id(args, hub_model_id)),
     )
     if checkpoint:
         print(f"[{arm.name}] resuming from {checkpoint}", flush=True)

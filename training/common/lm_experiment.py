@@ -270,6 +270,7 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
         barrier,
         build_trainer,
         final_losses,
+        default_card_repo_id,
         hub_repo_id,
         is_main_process,
         open_run_dir,
@@ -283,7 +284,7 @@ def train_run(spec: RunSpec, data: LMData, preset: LMPreset, benchmark: Benchmar
     settings = run_settings(preset, args, data_fingerprint(data.tokenizer, data.datasets))
     run_dir, done = open_run_dir(output_dir, spec.name, args.restart, settings, getattr(args, "push_to_hub", False))
     hub_model_id = hub_repo_id(args, spec.name, runs)
-    card_repo_id = (hub_model_id if getattr(args, "push_to_hub", False) else None) or "<user>/<repo>"
+    card_repo_id = default_card_repo_id(args, hub_model_id)
     if done is not None:
         if getattr(args, "eval_test", False) and "test" in data.datasets and "test_loss" not in done:
             done = add_test_loss(run_dir, done, spec, data, preset, benchmark, args, card_repo_id)

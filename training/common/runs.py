@@ -162,6 +162,12 @@ def open_run_dir(output_dir: str, name: str, restart: bool, settings: dict | Non
     return run_dir, None
 
 
+def default_card_repo_id(args, hub_model_id: str | None) -> str:
+    """The repository a model card names when the trainer has resolved none: ``hub_model_id`` for a run that pushes,
+    else a placeholder."""
+    return (hub_model_id if getattr(args, "push_to_hub", False) else None) or "<user>/<repo>"
+
+
 def hub_access_problem(token: str | None) -> str | None:
     """Why the Hub cannot take pushes from here (no network, no token, a token it refuses), or None."""
     from huggingface_hub import HfApi

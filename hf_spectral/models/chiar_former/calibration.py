@@ -95,6 +95,16 @@ def _percentiles(values: torch.Tensor, percentiles: Sequence[float]) -> list[flo
     return thresholds
 
 
+def set_shared_thresholds(config, values: Sequence[float]) -> None:
+    """One threshold set shared by every routed layer: ``[τ_mid]`` or ``[τ_lo, τ_hi]`` (``layer_thresholds`` off)."""
+    values = [float(value) for value in values]
+    if len(values) == 1:
+        config.tau_mid = values[0]
+    else:
+        config.tau_lo, config.tau_hi = values
+    config.layer_thresholds = None
+
+
 def calibrate_thresholds(
     model,
     dataloader: Iterable,
@@ -172,10 +182,7 @@ def calibrate_thresholds(
             seen = [[config.tau_mid] if num_thresholds == 1 else [config.tau_lo, config.tau_hi]]
             for passes in range(1, MAX_SHARED_PASSES + 1):
                 values = _percentiles(torch.cat(measure_entropies(model, dataloader, max_batches)), percentiles)
-                if num_thresholds == 1:
-                    config.tau_mid = values[0]
-                else:
-                    config.tau_lo, config.tau_hi = values
+                set_shared_thresholds(config, values)
                 # Stop at a fixed point (the first routed layer's entropies do not depend on the thresholds, so one
                 # routed layer needs one pass), or where the passes cycle.
                 fixed = values == seen[-1] or len(config.routed_layers) == 1
@@ -200,4 +207,4 @@ def calibrate_thresholds(
     return {"thresholds": result, "percentiles": list(percentiles), "passes": passes}
 
 
-__all__ = ["DEFAULT_PERCENTILES", "calibrate_thresholds", "measure_entropies"]
+__all__ = ["DEFAULT_PERCENTILES", "calibrate_thresholds", "measure_entropies", "set_shared_thresholds"]
