@@ -37,9 +37,10 @@ def derive_char_files(folder: str):
         if not os.path.isfile(char_path) and os.path.isfile(word_path):
             with open(word_path, encoding="utf-8") as handle:
                 text = word_to_char(handle.read())
-            with open(char_path + ".tmp", "w", encoding="utf-8") as handle:
+            temporary = f"{char_path}.{os.getpid()}.tmp"  # several processes of one run may derive it at once
+            with open(temporary, "w", encoding="utf-8") as handle:
                 handle.write(text)
-            os.replace(char_path + ".tmp", char_path)
+            os.replace(temporary, char_path)
 
 
 def join_characters(char_text: str) -> str:

@@ -429,15 +429,18 @@ def test_reproduction_plan_and_tables_from_finished_runs(tmp_path, capsys):
 
 def test_a_routed_run_trains_data_parallel_under_torchrun(wikitext_run, tmp_path):
     """Two CPU processes, threshold routing: the recipe fails unless both end with the same weights
-    (runs.check_replicas_agree)."""
+    (runs.check_replicas_agree). Calibrated on one batch and again at every step, so that the two processes reach
+    each calibration together: both once wrote calibration.json, and one of them then lost its rename."""
     import shutil
     import subprocess
 
     shutil.copytree(wikitext_run["out"] / "tokenizer", tmp_path / "tokenizer")
     command = torchrun_two_cpu_processes(
         "training.wikitext", "--smoke", "--data_path", str(wikitext_run["data"]), "--output_dir", str(tmp_path),
-        "--arms", "threshold", "--threads", "1", "--no_plots")
+        "--arms", "threshold", "--threads", "1", "--no_plots", "--calibration_batches", "1", "--recalibrate_steps", "1")
     result = subprocess.run(command, cwd=REPO_ROOT, env=recipe_environment(), capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert _summary(tmp_path / "threshold-seed0")["thresholds"]
+    summary = _summary(tmp_path / "threshold-seed0")
+    assert summary["thresholds"] and len(summary["calibration"]) == summary["steps"]  # at 0 and every step but the last
+    assert result.stdout.count("thresholds calibrated on 1 training batches") == 1  # said once, by the main process

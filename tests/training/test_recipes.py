@@ -402,6 +402,20 @@ def test_the_recipe_runs_under_torchrun_with_two_cpu_processes(tiny_shakespeare,
     assert "validation loss  EGA-1 (causal)" in result.stdout
 
 
+def test_processes_writing_one_json_file_at_once_never_fail(tmp_path):
+    """Every process of a data-parallel run may write the same record (a CHIAR run's calibration, a tokenizer's
+    metadata): each writes through its own temporary file (a shared one was renamed away under the other)."""
+    path = tmp_path / "record.json"
+    writer = ("import sys; from training.common.runs import write_json\n"
+              "for i in range(300): write_json(sys.argv[1], {'writer': sys.argv[2], 'i': i, 'pad': 'x' * 4096})")
+    processes = [subprocess.Popen([sys.executable, "-c", writer, str(path), str(n)], cwd=REPO_ROOT,
+                                  env=recipe_environment(), stderr=subprocess.PIPE, text=True) for n in range(2)]
+    errors = [process.communicate(timeout=120)[1] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], errors
+    assert json.loads(path.read_text())["i"] == 299
+    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]  # no temporary file left
+
+
 def test_push_to_hub_without_hub_access_is_refused_before_the_data_is_read(tiny_shakespeare, tmp_path, capsys):
     def no_network(self, *args, **kwargs):
         raise OSError("[Errno -2] Name or service not known")

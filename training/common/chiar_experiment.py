@@ -557,16 +557,21 @@ class Calibrator:
     def __call__(self, step: int) -> dict:
         from hf_spectral.models.chiar_former import calibrate_thresholds, measure_entropies
 
-        result = calibrate_thresholds(self.model, self.batches, percentiles=self.percentiles, per_layer=self.per_layer)
-        entropies = measure_entropies(self.model.eval(), self.batches)
+        from .runs import barrier, is_main_process, write_json
+
+        # Every process of a data-parallel run holds the same weights and reads the same batches, so each sets the
+        # thresholds a single process would: nothing to pool across processes.
+        result = calibrate_thresholds(self.model, self.batches, percentiles=self.percentiles, per_layer=self.per_layer,
+                                      across_processes=False)
+        entropies = measure_entropies(self.model.eval(), self.batches, across_processes=False)
         self.model.train()
         entry = {"step": step, "thresholds": {str(k): v for k, v in result["thresholds"].items()},
                  "percentiles": result["percentiles"],
                  "entropy_quantiles": [[float(q) for q in _quantiles(e)] for e in entropies]}
-        history = [h for h in self.history() if h["step"] < step] + [entry]
-        from .runs import write_json
-
-        write_json(self.path, {"history": history})
+        if is_main_process():  # one writer: processes replacing the same file at once lose each other's rename
+            history = [h for h in self.history() if h["step"] < step] + [entry]
+            write_json(self.path, {"history": history})
+        barrier()  # the others read the file (a resumed run's restore) only once it is written
         return entry
 
     def restore(self, step: int) -> dict | None:
@@ -681,8 +686,9 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
         restored = calibrator.restore(resumed_step) if checkpoint else None
         if restored is None:
             entry = calibrator(0)
-            print(f"[{arm.name}] thresholds calibrated on {len(batches)} training batches: {entry['thresholds']} "
-                  f"(percentiles {entry['percentiles']})", flush=True)
+            if is_main_process():
+                print(f"[{arm.name}] thresholds calibrated on {len(batches)} training batches: {entry['thresholds']} "
+                      f"(percentiles {entry['percentiles']})", flush=True)
         if args.recalibrate_steps:
             callbacks.append(RecalibrationCallback(args.recalibrate_steps, calibrator))
     elif args.calibration_percentiles and is_main_process():

@@ -25,7 +25,7 @@ def _entropies(model, batches: list) -> list:
     was_training = model.training
     model.eval()
     try:
-        return measure_entropies(model, batches)
+        return measure_entropies(model, batches, across_processes=False)  # drawn by the main process alone
     finally:
         model.train(was_training)
 

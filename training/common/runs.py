@@ -36,10 +36,12 @@ def barrier():
 
 
 def write_json(path: str, payload: dict):
-    """Write through a temporary file: an interrupted write never leaves a half summary behind."""
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+    """Write through a temporary file: an interrupted write never leaves a half summary behind. The temporary file
+    is the writing process's own, so that two writers of one path never rename each other's file away."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as handle:
         json.dump(payload, handle, indent=2, default=str)
-    os.replace(path + ".tmp", path)
+    os.replace(temporary, path)
 
 
 def read_summary(run_dir: str) -> dict | None:

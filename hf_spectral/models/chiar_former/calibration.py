@@ -29,12 +29,23 @@ def _as_model_inputs(batch) -> dict:
     return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "inputs_embeds", "position_ids")}
 
 
+def _several_processes() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and (
+        torch.distributed.get_world_size() > 1
+    )
+
+
 @torch.no_grad()
-def measure_entropies(model, dataloader: Iterable, max_batches: int | None = None) -> list[torch.Tensor]:
+def measure_entropies(
+    model, dataloader: Iterable, max_batches: int | None = None, across_processes: bool = True
+) -> list[torch.Tensor]:
     """Spectral entropies of the non-padding tokens at each routed layer, one 1-D tensor per routed layer.
 
     ``dataloader`` yields tensors of input ids, tuples whose first item is the input ids, or dicts with
-    ``input_ids`` (and optionally ``attention_mask``).
+    ``input_ids`` (and optionally ``attention_mask``). With ``torch.distributed`` running several processes and
+    ``across_processes`` (the default), every process gets the entropies of all of them (in rank order), so every
+    process must call it, as every process calls `Trainer.evaluate`; ``across_processes=False`` measures this
+    process's batches alone.
     """
     device = next(model.parameters()).device
     collected = [[] for _ in model.config.routed_layers]
@@ -47,9 +58,20 @@ def measure_entropies(model, dataloader: Iterable, max_batches: int | None = Non
         mask = inputs.get("attention_mask")
         for store, entropy in zip(collected, outputs.routing_entropies):
             store.append((entropy[mask.bool()] if mask is not None else entropy.flatten()).float().cpu())
-    if not collected or not collected[0]:
-        raise ValueError("the dataloader yielded no batches (or the model has no routed layer)")
-    entropies = [torch.cat(store) for store in collected]
+    if not collected:
+        raise ValueError("the model has no routed layer (`layer_operators` has no 'routed' entry)")
+    batches = len(collected[0])
+    entropies = [torch.cat(store) if store else torch.empty(0) for store in collected]
+    if across_processes and _several_processes():
+        # Processes that each read their own shard would otherwise each set other thresholds and route the same
+        # tokens differently while their gradients are averaged. (Pooled before the checks below: a process that
+        # raised alone would leave the others waiting in the gather.)
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, (batches, entropies))
+        batches = sum(count for count, _ in gathered)
+        entropies = [torch.cat([rank[i] for _, rank in gathered]) for i in range(len(entropies))]
+    if not batches:
+        raise ValueError("the dataloader yielded no batches")
     if not entropies[0].numel():
         raise ValueError("the dataloader's batches hold no token: every attention_mask entry is 0")
     return entropies
@@ -111,6 +133,7 @@ def calibrate_thresholds(
     percentiles: Sequence[float] | None = None,
     per_layer: bool = False,
     max_batches: int | None = None,
+    across_processes: bool = True,
 ) -> dict:
     """Set the routing thresholds of ``model.config`` to percentiles of the entropies measured on ``dataloader``
     (each placed between two measured values, never on one: `_percentiles`).
@@ -133,6 +156,10 @@ def calibrate_thresholds(
             with the earlier layers already routing by their final thresholds, so each layer hits its percentiles
             on this data.
         max_batches: stop each pass after this many batches.
+        across_processes: with ``torch.distributed`` running several processes (a data-parallel run), pool the
+            entropies of every process (`measure_entropies`), so that every process sets the same thresholds from
+            the data of all; every process must then call this function. False: this process's data alone (for a
+            call made on one process only; processes calibrating on different data then route differently).
 
     Returns ``{"thresholds": {layer index: [τ...]}, "percentiles": [...], "passes": n}``; the model routes with the
     new thresholds from its next forward pass on. When a pass fails, the config's thresholds are restored before the
@@ -170,10 +197,18 @@ def calibrate_thresholds(
     was_training = model.training
     model.eval()
     try:
+        if across_processes and _several_processes():
+            # Every process starts from the first one's thresholds: the entropies of a pass are measured under them,
+            # and whether a pass ends the calibration depends on them, so processes starting from their own would
+            # pool entropies routed differently, or stop after different passes and wait on each other.
+            start = [original[name] for name in _THRESHOLD_FIELDS]
+            torch.distributed.broadcast_object_list(start, src=0)
+            for name, value in zip(_THRESHOLD_FIELDS, start):
+                setattr(config, name, value)
         if per_layer:
             thresholds = list(config.layer_thresholds or [None] * config.num_hidden_layers)
             for position, layer_idx in enumerate(config.routed_layers):
-                entropies = measure_entropies(model, dataloader, max_batches)[position]
+                entropies = measure_entropies(model, dataloader, max_batches, across_processes)[position]
                 thresholds[layer_idx] = _percentiles(entropies, percentiles)
                 config.layer_thresholds = thresholds
             result, passes = {i: thresholds[i] for i in config.routed_layers}, len(config.routed_layers)
@@ -181,7 +216,8 @@ def calibrate_thresholds(
             config.layer_thresholds = None
             seen = [[config.tau_mid] if num_thresholds == 1 else [config.tau_lo, config.tau_hi]]
             for passes in range(1, MAX_SHARED_PASSES + 1):
-                values = _percentiles(torch.cat(measure_entropies(model, dataloader, max_batches)), percentiles)
+                entropies = measure_entropies(model, dataloader, max_batches, across_processes)
+                values = _percentiles(torch.cat(entropies), percentiles)
                 set_shared_thresholds(config, values)
                 # Stop at a fixed point (the first routed layer's entropies do not depend on the thresholds, so one
                 # routed layer needs one pass), or where the passes cycle.

@@ -139,6 +139,55 @@ def test_shared_calibration_hits_the_pooled_percentile_whatever_the_thresholds_b
     assert model.config.tau_mid == tau_mid
 
 
+def _calibrate_in_process(rank: int, init_file: str, results: str):
+    """One of two gloo processes: the same model, each process its own batches (rank 1 none in the last call)."""
+    import json
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        ids = random_ids(4, 32, seed=4 + rank)
+        model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=5), calibrate_on=None)
+        found = {
+            "shared": calibrate_thresholds(model, [ids[:2], ids[2:]], percentiles=(75.0,))["thresholds"],
+            "per_layer": calibrate_thresholds(model, [ids[:2], ids[2:]], percentiles=(75.0,), per_layer=True)[
+                "thresholds"],
+            "local": calibrate_thresholds(model, [ids], percentiles=(75.0,), across_processes=False)["thresholds"],
+            "rank_0_only": calibrate_thresholds(model, [ids] if rank == 0 else [], percentiles=(75.0,))["thresholds"],
+        }
+    finally:
+        torch.distributed.destroy_process_group()
+    Path(results, f"rank{rank}.json").write_text(json.dumps(found))
+
+
+def test_calibration_in_a_data_parallel_run_pools_the_entropies_of_every_process(tmp_path):
+    """Processes that each calibrate on their own shard set one threshold set, the one a single process sets on
+    the batches of all of them (shared and per layer); a process without batches takes part; across_processes=False
+    keeps each process's own."""
+    import json
+
+    torch.multiprocessing.spawn(_calibrate_in_process, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    found = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert found[0]["shared"] == found[1]["shared"] and found[0]["per_layer"] == found[1]["per_layer"]
+    assert found[0]["rank_0_only"] == found[1]["rank_0_only"]
+    assert found[0]["local"] != found[1]["local"]
+
+    ids = [random_ids(4, 32, seed=4 + rank) for rank in (0, 1)]
+    model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=5), calibrate_on=None)
+    alone = {
+        "shared": calibrate_thresholds(model, [ids[0][:2], ids[0][2:], ids[1][:2], ids[1][2:]], percentiles=(75.0,)),
+        "per_layer": calibrate_thresholds(
+            model, [ids[0][:2], ids[0][2:], ids[1][:2], ids[1][2:]], percentiles=(75.0,), per_layer=True),
+        "local": calibrate_thresholds(model, [ids[0]], percentiles=(75.0,)),  # rank 0's: where the next one starts
+        "rank_0_only": calibrate_thresholds(model, [ids[0]], percentiles=(75.0,)),
+    }
+    for name, result in alone.items():
+        expected = {str(layer): taus for layer, taus in result["thresholds"].items()}
+        # Another process, another thread count: entropies may differ in the last bits, thresholds (middles of the
+        # gaps between them) by as much.
+        torch.testing.assert_close(found[0][name], expected, rtol=0, atol=1e-6)
+
+
 def test_shared_calibration_reads_the_same_batches_in_every_pass_and_warns_without_a_fixed_point(monkeypatch):
     import warnings
 
