@@ -148,7 +148,8 @@ def training_step_fn(model, batch, length, seed=0):
     model.train()
 
     def step():
-        model(input_ids=data, labels=data).loss.backward()
+        # No cache: GPT-2 (use_cache=True in its config) would otherwise build one in training, and EGA-GPT does not.
+        model(input_ids=data, labels=data, use_cache=False).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
