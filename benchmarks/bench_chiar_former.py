@@ -143,7 +143,7 @@ def bench(seq_len: int, implementation: str, args) -> dict:
     authors.load_state_dict(chiar.state_dict())
 
     with torch.no_grad():
-        routed = chiar(ids, use_cache=False)
+        routed = chiar(ids, use_cache=False, output_routing=True)  # the timed calls below return no routing
         forward = interleaved_times(
             {
                 "full": lambda: full(ids, use_cache=False),

@@ -523,7 +523,7 @@ def routing_summary(model, baseline, ids) -> dict:
     from hf_spectral.models.chiar_former import count_flops
 
     with torch.no_grad():
-        output = model(input_ids=ids, use_cache=False)
+        output = model(input_ids=ids, use_cache=False, output_routing=True)
     attention_index = list(model.config.routed_operators).index("attention")
     decisions = [d.cpu() for d in getattr(output, "routing_decisions", None) or ()]
     summary = {"attention_fraction": [round(float((d == attention_index).float().mean()), 4) for d in decisions]}

@@ -359,6 +359,7 @@ def _trainer_classes():
             self._fraction_sums, self._batches, self._last = None, 0, None
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            inputs = {**inputs, "output_routing": True}  # the routing fractions and decisions logged below
             loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
             if model.training and getattr(outputs, "routing_fractions", None):
                 fractions = [f.detach() for f in outputs.routing_fractions]
@@ -604,7 +605,7 @@ def routing_profile(model, batches: list) -> dict:
         with torch.no_grad():
             for batch in batches:
                 inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-                outputs = model(**inputs, use_cache=False) if config.is_causal else model(**inputs)
+                outputs = model(**inputs, output_routing=True, **({"use_cache": False} if config.is_causal else {}))
                 mask = inputs.get("attention_mask")
                 for store, routes in zip(counts, outputs.routing_decisions):
                     valid = mask.bool() if mask is not None else torch.ones_like(routes, dtype=torch.bool)

@@ -87,7 +87,7 @@ def plot_routing_map(model, input_ids: torch.Tensor, tokenizer, path: str, title
     model.eval()
     try:
         kwargs = {"use_cache": False} if hasattr(model, "lm_head") else {}
-        outputs = model(input_ids=input_ids[None], **kwargs)
+        outputs = model(input_ids=input_ids[None], output_routing=True, **kwargs)
     finally:
         model.train(was_training)
     routes = torch.stack([d[0] for d in outputs.routing_decisions]).cpu().numpy()

@@ -54,7 +54,7 @@ def measure_entropies(
             break
         inputs = {k: v.to(device) for k, v in _as_model_inputs(batch).items()}
         # The routed layers belong to the base model: no head runs (an unfitted pooling head may not run at all).
-        outputs = model.base_model(**inputs, use_cache=False)
+        outputs = model.base_model(**inputs, use_cache=False, output_routing=True)
         mask = inputs.get("attention_mask")
         for store, entropy in zip(collected, outputs.routing_entropies):
             store.append((entropy[mask.bool()] if mask is not None else entropy.flatten()).float().cpu())

@@ -99,6 +99,10 @@ KEY_PREFIX_CHUNKS = 4
 KEY_PREFIX_MIN_QUERIES = 64
 
 _ROUTING_DOC = r"""
+    The routing outputs below are returned with `output_routing=True` (otherwise None), as transformers' models
+    return attentions or router logits only when asked: their per-layer tuples cannot be split by batch row the way
+    a pipeline splits a batch's outputs.
+
     routing_decisions (`tuple[torch.LongTensor]`):
         One (batch, new positions) tensor per routed layer: index into `config.routed_operators` of the operator each
         token took (soft routing: the operator with the largest weight). Padding tokens take operator 0.
@@ -644,9 +648,9 @@ class ChiarPreTrainedModel(PreTrainedModel):
 class ChiarModel(ChiarPreTrainedModel):
     """The CHIAR-Former stack without a head: DCT mixing, RBF kernel attention, full attention or routed layers
     (`config.layer_operators`), a routed layer choosing an operator per token from the spectral entropy of its state
-    (SPEC 2). Its output also holds, per routed layer, ``routing_decisions``, ``routing_entropies``,
-    ``routing_fractions`` and (learned routers) ``router_probabilities``, and ``aux_loss`` with a usage
-    regulariser."""
+    (SPEC 2). With ``output_routing=True`` its output also holds, per routed layer, ``routing_decisions``,
+    ``routing_entropies``, ``routing_fractions`` and (learned routers) ``router_probabilities``, and ``aux_loss``
+    with a usage regulariser."""
 
     def __init__(self, config: ChiarConfig):
         super().__init__(config)
@@ -709,6 +713,7 @@ class ChiarModel(ChiarPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_routing: bool = False,
         **kwargs,
     ) -> ChiarModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
@@ -776,13 +781,15 @@ class ChiarModel(ChiarPreTrainedModel):
                 cache=cache,
                 **kwargs,
             )
-            if routes is not None:
+            if routes is not None and output_routing:
                 decisions.append(routes)
                 entropies.append(entropy)
                 fractions.append(routing_fractions(routes, token_valid, len(self.config.routed_operators)))
                 if probs is not None:
                     probabilities.append(probs)
 
+        if not output_routing:
+            return ChiarModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
         aux_loss = None
         if self.config.router_usage_entropy_weight > 0 and probabilities:
             penalty = sum(usage_entropy_penalty(probs, token_valid) for probs in probabilities)
@@ -830,7 +837,9 @@ def _check_tokens(name: str, tokens: torch.Tensor, ndim: int, hidden_size: int |
         raise ValueError(f"{name} is empty (shape {tuple(tokens.shape)}): CHIAR-Former needs at least one token per row")
 
 
-def _routing_fields(outputs) -> dict:
+def _routing_fields(outputs, output_routing: bool) -> dict:
+    if not output_routing:
+        return {}
     return {
         "routing_decisions": outputs.routing_decisions,
         "routing_entropies": outputs.routing_entropies,
@@ -843,7 +852,8 @@ def _routing_fields(outputs) -> dict:
 class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
     """A causal CHIAR-Former (`config.is_causal`) with a language-model head (tied to the input embeddings unless
     `config.tie_word_embeddings` is False); generates with transformers' caches (RBF layers keep a recurrent
-    state). Returns the routing outputs of `ChiarModel` beside the logits, and adds ``aux_loss`` to the loss."""
+    state). With ``output_routing=True`` returns the routing outputs of `ChiarModel` beside the logits; with labels
+    it adds ``aux_loss`` (the usage regulariser) to the loss whether or not they are returned."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -885,6 +895,7 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_routing: bool = False,
         **kwargs,
     ) -> ChiarCausalLMOutputWithPast:
         if labels is not None and use_cache is None:
@@ -896,6 +907,7 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_routing=output_routing or labels is not None,  # a loss adds the usage regulariser
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -922,12 +934,13 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
-            **_routing_fields(outputs),
+            **_routing_fields(outputs, output_routing),
         )
 
 
 class ChiarForSequenceClassification(ChiarPreTrainedModel):
-    """CHIAR-Former with a pooled classification head (pooling: ``config.classifier_pooling``)."""
+    """CHIAR-Former with a pooled classification head (pooling: ``config.classifier_pooling``). Routing outputs and
+    the usage regulariser as `ChiarForCausalLM`."""
 
     def __init__(self, config: ChiarConfig):
         super().__init__(config)
@@ -952,6 +965,7 @@ class ChiarForSequenceClassification(ChiarPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
+        output_routing: bool = False,
         **kwargs,
     ) -> ChiarSequenceClassifierOutputWithPast:
         kwargs.pop("use_cache", None)
@@ -964,6 +978,7 @@ class ChiarForSequenceClassification(ChiarPreTrainedModel):
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             use_cache=False,
+            output_routing=output_routing or labels is not None,
             **kwargs,
         )
         pooled = self.pooling(outputs.last_hidden_state, attention_mask)
@@ -978,7 +993,7 @@ class ChiarForSequenceClassification(ChiarPreTrainedModel):
             logits=logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
-            **_routing_fields(outputs),
+            **_routing_fields(outputs, output_routing),
         )
 
 

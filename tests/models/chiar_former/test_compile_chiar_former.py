@@ -54,7 +54,7 @@ def test_explain_finds_no_graph_break_in_a_routed_forward():
     """The authors' layout with a quarter of the tokens routed to attention in the routed layers."""
     ids = random_ids(2, 32, seed=1)
     model = build(ChiarForCausalLM, tiny_config(), calibrate_on=ids, percentiles=(75.0,))
-    fractions = torch.stack(model(ids).routing_fractions)[:, 1]
+    fractions = torch.stack(model(ids, output_routing=True).routing_fractions)[:, 1]
     assert ((fractions > 0.15) & (fractions < 0.35)).all()
     explanation = torch._dynamo.explain(model)(ids)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -118,7 +118,7 @@ def test_default_backend_compiles_a_routed_model_and_matches_eager():
     reference.load_state_dict(model.state_dict())
     compiled = torch.compile(model)
     with torch.no_grad():
-        out, expected = compiled(ids), reference(ids)
+        out, expected = compiled(ids, output_routing=True), reference(ids, output_routing=True)
     for routes, expected_routes in zip(out.routing_decisions, expected.routing_decisions):
         assert torch.equal(routes, expected_routes)
     assert all(len(torch.unique(routes)) == 3 for routes in out.routing_decisions)  # every operator ran
@@ -141,8 +141,8 @@ def test_a_compiled_flex_attention_forward_of_a_routed_model_equals_eager():
     model = _routed_model("threshold", True, ids)
     model.set_attn_implementation("flex_attention")
     with torch.no_grad():
-        expected = model(ids)
-        out = torch.compile(model)(ids)
+        expected = model(ids, output_routing=True)
+        out = torch.compile(model)(ids, output_routing=True)
     for routes, expected_routes in zip(out.routing_decisions, expected.routing_decisions):
         assert torch.equal(routes, expected_routes)
     torch.testing.assert_close(out.logits, expected.logits, **FORWARD_TOLERANCE)

@@ -83,11 +83,11 @@ def test_routed_layer_forward_does_not_synchronise_with_the_host(implementation)
     model = _on_cuda(cpu, implementation)
     ids, mask = ids.cuda(), mask.cuda()
     with torch.no_grad():
-        model(ids, attention_mask=mask)  # warm-up: kernels compiled, caches filled
+        model(ids, attention_mask=mask, output_routing=True)  # warm-up: kernels compiled, caches filled
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = model(ids, attention_mask=mask)
+            out = model(ids, attention_mask=mask, output_routing=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     fractions = torch.stack(out.routing_fractions).cpu()

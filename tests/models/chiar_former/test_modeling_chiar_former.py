@@ -46,8 +46,8 @@ def test_sparse_execution_equals_the_dense_one_hot_formulation(variant):
     dense = _dense_twin(sparse)
     assert sparse.model.layers[1].dense_routing is False and dense.model.layers[1].dense_routing is True
 
-    out_sparse = sparse(padded, attention_mask=mask, labels=padded)
-    out_dense = dense(padded, attention_mask=mask, labels=padded)
+    out_sparse = sparse(padded, attention_mask=mask, labels=padded, output_routing=True)
+    out_dense = dense(padded, attention_mask=mask, labels=padded, output_routing=True)
     for routes in out_sparse.routing_decisions:  # every operator is exercised
         assert len(torch.unique(routes[mask.bool()])) == len(sparse.config.routed_operators)
     for a, b in zip(out_sparse.routing_decisions, out_dense.routing_decisions):
@@ -77,7 +77,7 @@ def test_tokens_routed_elsewhere_are_not_attention_queries():
         )
         for name in ("q_proj", "kv_proj", "o_proj")
     ]
-    out = model(ids)
+    out = model(ids, output_routing=True)
     for hook in hooks:
         hook.remove()
     routed = out.routing_decisions[0] == 1
@@ -97,7 +97,7 @@ def test_routing_fractions_match_the_thresholds(routed_operators):
     ids = random_ids(4, 16, seed=3)
     padded, mask = _left_padded(ids, [0, 3, 0, 7])
     model = build(ChiarForCausalLM, tiny_config(routed_operators=routed_operators), calibrate_on=ids)
-    out = model(padded, attention_mask=mask)
+    out = model(padded, attention_mask=mask, output_routing=True)
     valid = mask.bool()
     for layer_idx, routes, entropy, fractions in zip(
         model.config.routed_layers, out.routing_decisions, out.routing_entropies, out.routing_fractions
@@ -116,7 +116,7 @@ def test_per_layer_calibration_hits_the_percentile_in_every_routed_layer():
     model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=5), calibrate_on=None)
     result = calibrate_thresholds(model, [ids[:2], ids[2:]], percentiles=(75.0,), per_layer=True)
     assert sorted(result["thresholds"]) == model.config.routed_layers == [1, 2, 3]
-    for fractions in model(ids).routing_fractions:
+    for fractions in model(ids, output_routing=True).routing_fractions:
         assert fractions[1].item() == pytest.approx(0.25, abs=1.5 / ids.numel())
 
 
@@ -129,7 +129,7 @@ def test_shared_calibration_hits_the_pooled_percentile_whatever_the_thresholds_b
     batches = [ids[:2], ids[2:]]
     result = calibrate_thresholds(model, batches, percentiles=(75.0,))
     assert 1 < result["passes"] < 10
-    pooled = torch.cat([entropy.flatten() for entropy in model(ids).routing_entropies])
+    pooled = torch.cat([entropy.flatten() for entropy in model(ids, output_routing=True).routing_entropies])
     assert (pooled <= model.config.tau_mid).float().mean().item() == pytest.approx(0.75, abs=1.5 / pooled.numel())
     tau_mid = model.config.tau_mid
     assert calibrate_thresholds(model, batches, percentiles=(75.0,))["passes"] == 1  # already a fixed point
@@ -216,7 +216,7 @@ def test_calibrated_thresholds_never_sit_on_a_measured_entropy(per_layer):
     ids = torch.randint(2, 7, (4, 32), generator=torch.Generator().manual_seed(3))
     model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=4, routed_operators=["dct", "rbf", "attention"]))
     calibrate_thresholds(model, [ids], percentiles=(33.0, 67.0), per_layer=per_layer)
-    entropies = model(ids).routing_entropies
+    entropies = model(ids, output_routing=True).routing_entropies
     for layer, measured in zip(model.config.routed_layers, entropies):
         thresholds = torch.tensor(model.config.thresholds_for(layer), dtype=measured.dtype)
         gaps = (measured.flatten()[:, None] - thresholds[None, :]).abs()
@@ -235,7 +235,7 @@ def test_calibrated_thresholds_stay_in_the_unit_interval(per_layer, percentiles,
     result = calibrate_thresholds(model, [ids], percentiles=percentiles, per_layer=per_layer)
     thresholds = [t for values in result["thresholds"].values() for t in values]
     assert all(0 <= t <= 1 for t in thresholds), thresholds
-    measured = model(ids).routing_entropies[0]
+    measured = model(ids, output_routing=True).routing_entropies[0]
     assert (measured - thresholds[0]).abs().min() > 0, "not on the measured value"
     model.save_pretrained(tmp_path)
 
@@ -261,7 +261,7 @@ def test_calibration_on_batches_without_tokens_is_a_clear_error():
 def test_bfloat16_routing_reads_a_float32_entropy():
     # bfloat16 values near the authors' thresholds lie 0.004 apart: a 16-bit entropy would move tokens across them.
     model = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "rbf", "attention"])).to(torch.bfloat16)
-    entropies = model(random_ids(2, 16, seed=9)).routing_entropies
+    entropies = model(random_ids(2, 16, seed=9), output_routing=True).routing_entropies
     assert all(entropy.dtype == torch.float32 for entropy in entropies)
     assert len(torch.unique(torch.cat([e.flatten() for e in entropies]))) > len(
         torch.unique(torch.cat([e.flatten() for e in entropies]).bfloat16()))
@@ -270,15 +270,15 @@ def test_bfloat16_routing_reads_a_float32_entropy():
 def test_shared_calibration_sets_tau_lo_and_tau_hi_to_pooled_percentiles():
     ids = random_ids(4, 32, seed=5)
     model = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "rbf", "attention"]))
-    entropies = torch.cat([e.flatten() for e in model(ids).routing_entropies])
-    first_layer = model(ids).routing_entropies[0].flatten()
+    entropies = torch.cat([e.flatten() for e in model(ids, output_routing=True).routing_entropies])
+    first_layer = model(ids, output_routing=True).routing_entropies[0].flatten()
     calibrate_thresholds(model, [ids], percentiles=(33.0, 67.0))
     # Layer 2 (the first routed one) is unaffected by the new thresholds, so its entropies are the measured ones.
     assert model.config.layer_thresholds is None
     assert model.config.tau_lo == pytest.approx(torch.quantile(entropies.double(), 0.33).item(), abs=2e-3)
     assert model.config.tau_hi == pytest.approx(torch.quantile(entropies.double(), 0.67).item(), abs=2e-3)
     assert model.config.tau_lo < model.config.tau_hi
-    torch.testing.assert_close(model(ids).routing_entropies[0].flatten(), first_layer)
+    torch.testing.assert_close(model(ids, output_routing=True).routing_entropies[0].flatten(), first_layer)
 
 
 def test_calibration_rejects_learned_routers_and_bad_percentiles():
@@ -343,7 +343,7 @@ def test_straight_through_estimator_passes_gradients_to_the_router():
     ids = random_ids(2, 16, seed=6)
     model = build(ChiarForCausalLM, tiny_config(router_type="hard", routed_operators=["dct", "rbf", "attention"]))
     model.train()
-    out = model(ids, labels=ids)
+    out = model(ids, labels=ids, output_routing=True)
     for probabilities, routes in zip(out.router_probabilities, out.routing_decisions):
         assert torch.equal(probabilities.argmax(-1), routes)  # hard: one operator per token
     out.loss.backward()
@@ -363,7 +363,8 @@ def test_usage_entropy_regulariser_is_added_to_the_loss():
             plain.model.layers[layer_idx].router.proj.weight.mul_(40.0)
     regularised = ChiarForCausalLM(ChiarConfig(**{**config.to_dict(), "router_usage_entropy_weight": 0.01})).eval()
     regularised.load_state_dict(plain.state_dict())
-    out_plain, out = plain(ids, labels=ids), regularised(ids, labels=ids)
+    out_plain = plain(ids, labels=ids, output_routing=True)
+    out = regularised(ids, labels=ids, output_routing=True)
     assert out_plain.aux_loss is None
     expected = 0.0
     for probabilities in out.router_probabilities:
@@ -372,6 +373,8 @@ def test_usage_entropy_regulariser_is_added_to_the_loss():
     assert expected > 0.05
     assert out.aux_loss.item() == pytest.approx(0.01 * expected, rel=1e-4)
     assert out.loss.item() == pytest.approx(out_plain.loss.item() + out.aux_loss.item(), rel=1e-6)
+    unasked = regularised(ids, labels=ids)  # the loss holds the regulariser whether or not the routing is returned
+    assert unasked.aux_loss is None and unasked.routing_decisions is None and torch.equal(unasked.loss, out.loss)
     # Under gradient accumulation Trainer normalises by the tokens of the whole step (num_items_in_batch) and adds
     # the micro-batches' losses: the regulariser takes this micro-batch's share, so it is counted once per step.
     tokens = ids[:, 1:].numel()
@@ -388,9 +391,9 @@ def test_future_tokens_do_not_change_earlier_outputs(variant):
     padded, mask = _left_padded(ids, [0, 4])
     model = build(ChiarForCausalLM, tiny_config(**CAUSAL_VARIANTS[variant]), calibrate_on=ids)
     position = 8
-    out = model(padded, attention_mask=mask)
+    out = model(padded, attention_mask=mask, output_routing=True)
     changed = perturb_after(padded, position, VOCAB, seed=1)
-    out_changed = model(changed, attention_mask=mask)
+    out_changed = model(changed, attention_mask=mask, output_routing=True)
     torch.testing.assert_close(out_changed.logits[:, : position + 1], out.logits[:, : position + 1], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out_changed.logits[:, position + 1 :], out.logits[:, position + 1 :])
     for routes, changed_routes in zip(out.routing_decisions, out_changed.routing_decisions):
@@ -660,7 +663,7 @@ def test_flop_counter_matches_torch_flop_count_of_an_encoder(overrides):
     model = build(ChiarModel, config, calibrate_on=ids)
     assert model.config._attn_implementation == "eager"
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        out = model(ids)
+        out = model(ids, output_routing=True)
     counted = count_flops(model.config, 1, 12, out.routing_decisions)
     assert counted["total"] == counter.get_total_flops()
 
@@ -679,7 +682,7 @@ def test_flop_counter_counts_causal_attention_pairs_and_the_lm_head():
 def test_flop_counter_attention_falls_with_the_routed_fraction():
     ids = random_ids(2, 32, seed=17)
     model = build(ChiarForCausalLM, tiny_config(), calibrate_on=ids, percentiles=(75.0,))
-    out = model(ids)
+    out = model(ids, output_routing=True)
     sparse = count_flops(model.config, 2, 32, out.routing_decisions)
     dense = count_flops(_dense_twin(model).config, 2, 32, out.routing_decisions)
     routed_core = [sparse["per_layer"][i]["attention_core"] / dense["per_layer"][i]["attention_core"] for i in (1, 2)]
@@ -732,7 +735,8 @@ def test_chunked_sparse_attention_equals_dense_on_long_sequences():
     padded, mask = _left_padded(ids, [0, 37])
     sparse = build(ChiarForCausalLM, tiny_config(max_position_embeddings=512), calibrate_on=ids, percentiles=(40.0,))
     dense = _dense_twin(sparse)
-    out_sparse, out_dense = sparse(padded, attention_mask=mask), dense(padded, attention_mask=mask)
+    out_sparse = sparse(padded, attention_mask=mask, output_routing=True)
+    out_dense = dense(padded, attention_mask=mask)
     attention_queries = int((out_sparse.routing_decisions[0] == 1).sum(1).max())
     assert attention_queries >= 192  # ≥ 3 chunks of 64 queries
     valid = mask.bool()
@@ -786,8 +790,8 @@ def test_eager_sdpa_and_flex_attention_agree(layer_operators, implementation, fr
     eager = build(ChiarForCausalLM, tiny_config(attn_implementation="eager", **overrides), calibrate_on=ids)
     valid = mask.bool()
     with torch.no_grad():
-        reference = eager(padded, attention_mask=mask)
-        out = _with_backend(eager, implementation)(padded, attention_mask=mask)
+        reference = eager(padded, attention_mask=mask, output_routing=True)
+        out = _with_backend(eager, implementation)(padded, attention_mask=mask, output_routing=True)
     for a, b in zip(out.routing_decisions, reference.routing_decisions):
         assert torch.equal(a[valid], b[valid])
     torch.testing.assert_close(out.logits[valid], reference.logits[valid], atol=1e-5, rtol=1e-5)
@@ -829,6 +833,32 @@ def test_output_attentions_under_sdpa_warns_and_falls_back_to_eager(caplog):
 
 
 # --- transformers' conventions and input checks -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task, model_class", [
+    ("text-classification", ChiarForSequenceClassification), ("feature-extraction", ChiarModel)])
+def test_batched_pipelines_give_what_one_text_at_a_time_gives(task, model_class, tmp_path):
+    """A pipeline splits a batch's outputs by row: the routing tuples (one entry per routed layer) were split by
+    layer, and a batch larger than the routed layers failed. They come with output_routing=True only."""
+    from hf_spectral import CharTokenizer
+
+    tokenizer = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz ", str(tmp_path), pad_token="<pad>")
+    config = tiny_config(vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_token_id, num_labels=2)
+    build(model_class, config).save_pretrained(tmp_path)
+    pipe = transformers.pipeline(task, model=str(tmp_path), tokenizer=tokenizer, device="cpu")
+    texts = ["a b", "cd efg hij", "klm", "nopq rs"]  # more rows than routed layers, of other lengths
+    assert tokenizer.padding_side == "right"
+    batched, single = pipe(texts, batch_size=len(texts)), [pipe(text) for text in texts]
+    if task == "text-classification":  # one text: a list of one result
+        single = [row[0] for row in single]
+        assert [row["label"] for row in batched] == [row["label"] for row in single]
+        batched, single = ([torch.tensor(row["score"]) for row in rows] for rows in (batched, single))
+    else:  # (1, padded length, hidden): the positions of each text's own tokens
+        single = [torch.tensor(row) for row in single]
+        batched = [torch.tensor(row)[:, : own.shape[1]] for row, own in zip(batched, single)]
+    # Padded rows against unpadded ones: other kernel shapes, the same values up to rounding.
+    torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-4)
+
 
 
 def test_past_key_values_is_the_cache_as_in_transformers_models():
