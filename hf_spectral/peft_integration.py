@@ -32,7 +32,6 @@ it is loaded into: PEFT itself would drop the trained gate weights without a wor
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 from transformers.utils import logging
@@ -150,8 +149,9 @@ def adapter_gate_info(model_id, **kwargs) -> tuple[dict | None, bool]:
     config_path = _adapter_file(model_id, GATE_CONFIG_NAME, hub_kwargs)
     gate_config = None
     if config_path is not None:
-        with open(config_path, encoding="utf-8") as handle:
-            gate_config = json.load(handle)
+        from .retrofit.config import read_gate_config_file
+
+        gate_config = read_gate_config_file(config_path)
     return gate_config, any(_is_gate_parameter_key(key) for key in keys)
 
 

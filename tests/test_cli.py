@@ -186,6 +186,34 @@ def test_retrofit_that_cannot_copy_the_other_files_is_a_one_line_error(tiny_gpt2
     assert not (tmp_path / "dst").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".retrofit-")]
 
 
+def test_retrofit_that_cannot_write_its_destination_is_a_one_line_error(tiny_gpt2, tmp_path, capsys, monkeypatch):
+    """A file where a folder of DST's path should be, and a failing write (a full disk), end in one line, not a
+    traceback; a failed write leaves no staging folder and an existing DST as it was."""
+    from hf_spectral.retrofit import cli
+
+    (tmp_path / "afile").write_text("keep me")
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "afile" / "dst")]) == 2
+    assert "cannot create the folder" in capsys.readouterr().err
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "old.txt").write_text("the old DST")
+    monkeypatch.setattr(cli.os, "replace", no_space)
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst"), "--overwrite"]) == 2
+    error = capsys.readouterr().err
+    assert "cannot write" in error and "No space left on device" in error and "Traceback" not in error
+    assert (tmp_path / "dst" / "old.txt").read_text() == "the old DST"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".retrofit-")]
+
+
+def test_retrofit_with_window_statistics_says_that_the_model_sees_future_tokens(tiny_gpt2, tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst"), "--normalization", "window"]) == 0
+    assert "SEES FUTURE TOKENS" in caplog.text
+
+
 def test_retrofit_refuses_a_destination_that_is_a_file(tiny_gpt2, tmp_path, capsys):
     (tmp_path / "afile").write_text("keep me")
     assert retrofit_main([str(tiny_gpt2), str(tmp_path / "afile"), "--overwrite"]) == 2

@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 import uuid
+from dataclasses import fields
 
 from ..file_permissions import apply_umask, make_folders
 from .config import EnergyGateConfig
@@ -57,14 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("src", help="checkpoint folder (config.json + weights)")
     parser.add_argument("dst", help="output folder (must not exist, unless --overwrite)")
-    parser.add_argument("--normalization", default="causal", choices=["causal", "window", "none"])
-    parser.add_argument("--energy-kind", default="linear", choices=["linear", "conv", "morlet", "db2", "db4"])
-    parser.add_argument("--projections", type=int, default=1, help="linear projections per head (EGA-k)")
-    parser.add_argument("--scales", type=_int_list, default=None, help="kernel lengths or dilations, e.g. 3,7,15,31")
+    helps = {f.name: f.metadata["help"] for f in fields(EnergyGateConfig)}  # one text per setting, the config's
+    parser.add_argument("--normalization", default="causal", choices=["causal", "window", "none"],
+                        help=helps["normalization"])
+    parser.add_argument("--energy-kind", default="linear", choices=["linear", "conv", "morlet", "db2", "db4"],
+                        help=helps["energy_kind"])
+    parser.add_argument("--projections", type=int, default=1, help=helps["projections"])
+    parser.add_argument("--scales", type=_int_list, default=None,
+                        help="kernel lengths (conv, morlet; default 3,7,15,31) or dilations (db2, db4; default "
+                        "1,2,4,8), comma-separated")
     parser.add_argument("--layers", type=_int_list, default=None, help="layer indices to gate, e.g. 0,1,2 (default all)")
     parser.add_argument("--heads", type=_int_list, default=None, help="key/value head indices to gate (default all)")
-    parser.add_argument("--tau-init", type=float, default=0.0)
-    parser.add_argument("--alpha-init", type=float, default=0.0)
+    parser.add_argument("--tau-init", type=float, default=0.0, help=helps["tau_init"])
+    parser.add_argument("--alpha-init", type=float, default=0.0, help=helps["alpha_init"])
     parser.add_argument(
         "--overwrite", action="store_true",
         help="replace DST if it exists (DST may be SRC: what SRC held besides the files copied along goes)",
@@ -135,11 +141,14 @@ def main(argv=None) -> int:
     # Build the copy next to DST and move it into place at the end: no half-written folder on failure. DST gets
     # the permissions of any folder the user creates (the umask's), not mkdtemp's or safetensors' private ones.
     parent = os.path.dirname(os.path.abspath(args.dst))
-    created = make_folders(parent)  # removed again if the retrofit fails
+    try:
+        created = make_folders(parent)  # removed again if the retrofit fails
+    except OSError as error:  # a file where a folder of DST's path should be, no permission, ...
+        return _fail(f"cannot create the folder {parent} for {args.dst}: {error}")
     staging = os.path.join(parent, f".retrofit-{uuid.uuid4().hex}")
-    os.mkdir(staging)
     done = False
     try:
+        os.mkdir(staging)
         model.save_pretrained(staging)
         # Only a tokenizer SRC has: from a folder without one, AutoTokenizer may build an empty tokenizer from the
         # config (GPT-2: a vocabulary of 1 that encodes any text to nothing) instead of failing.
@@ -157,10 +166,17 @@ def main(argv=None) -> int:
         if os.path.exists(args.dst):  # moved aside, and deleted only once the new folder is in place
             old = os.path.join(parent, f".retrofit-old-{uuid.uuid4().hex}")
             os.replace(args.dst, old)
-        os.replace(staging, args.dst)
-        if old is not None:
-            shutil.rmtree(old)
+        try:
+            os.replace(staging, args.dst)
+        except OSError:
+            if old is not None:  # DST as it was
+                os.replace(old, args.dst)
+            raise
         done = True
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as error:  # a full disk, no permission: said as an error, and nothing half-written is left
+        return _fail(f"cannot write {args.dst}: {error}")
     finally:
         if os.path.exists(staging):
             shutil.rmtree(staging)

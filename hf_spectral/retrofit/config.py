@@ -80,6 +80,12 @@ class EnergyGateConfig:
             if value is not None:
                 check_index_list(name, value, allow_empty=False)
                 setattr(self, name, sorted(value))
+        if self.normalization == "window":  # every model the retrofit takes is a causal decoder
+            logger.warning(
+                "EnergyGateConfig(normalization='window'): the gate statistics are taken over the whole sequence, so "
+                "every position of the causal model SEES FUTURE TOKENS. Use it to reproduce the authors' numbers; "
+                "compare causal LMs only through the leak-free evaluation."
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,5 +117,16 @@ class EnergyGateConfig:
         path = os.path.join(directory, CONFIG_NAME)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}")
+        return cls.from_dict(read_gate_config_file(path))
+
+
+def read_gate_config_file(path: str) -> dict:
+    """The values an ``energy_gate_config.json`` holds; a file that is no JSON object is refused with its path."""
+    try:
         with open(path, encoding="utf-8") as handle:
-            return cls.from_dict(json.load(handle))
+            values = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a valid {CONFIG_NAME}: {error}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} is not a valid {CONFIG_NAME}: it holds a {type(values).__name__}, not an object")
+    return values

@@ -70,3 +70,16 @@ def test_round_trip_and_loading_checks(tmp_path, caplog):
         EnergyGateConfig.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
         EnergyGateConfig.from_pretrained(tmp_path / "missing")
+    for corrupt, why in (('{"normalization": "cau', "Unterminated string"), ("[1, 2]", "holds a list, not an object")):
+        (tmp_path / CONFIG_NAME).write_text(corrupt)  # a truncated or foreign file: named, not a bare JSON error
+        with pytest.raises(ValueError, match=f"{tmp_path / CONFIG_NAME} is not a valid {CONFIG_NAME}: .*{why}"):
+            EnergyGateConfig.from_pretrained(tmp_path)
+
+
+def test_window_statistics_are_said_to_see_future_tokens(caplog):
+    with caplog.at_level(logging.WARNING):
+        EnergyGateConfig()
+    assert "FUTURE" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        EnergyGateConfig(normalization="window")
+    assert "SEES FUTURE TOKENS" in caplog.text

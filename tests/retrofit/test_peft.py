@@ -190,6 +190,13 @@ def test_gate_weights_are_never_dropped_silently(tmp_path):
     PeftModel.from_pretrained(model, adapter)
 
 
+def test_a_corrupt_gate_config_is_named(tmp_path):
+    base_path, adapter, _ = trained_gated_adapter(tmp_path)
+    (adapter / GATE_CONFIG_NAME).write_text('{"normalization": "cau')  # a truncated copy
+    with pytest.raises(ValueError, match=f"{adapter / GATE_CONFIG_NAME} is not a valid {GATE_CONFIG_NAME}"):
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter)
+
+
 def test_differently_configured_gates_are_refused(tmp_path):
     base_path, adapter, _ = trained_gated_adapter(tmp_path)
     model = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path), EnergyGateConfig(layers=[0]))
