@@ -416,6 +416,21 @@ def test_processes_writing_one_json_file_at_once_never_fail(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["record.json"]  # no temporary file left
 
 
+def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    from training.common import runs
+
+    path = tmp_path / "summary.json"
+    runs.write_json(str(path), {"old": True})
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runs.write_json(str(path), {"old": False})
+    assert json.loads(path.read_text()) == {"old": True} and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
 def test_push_to_hub_without_hub_access_is_refused_before_the_data_is_read(tiny_shakespeare, tmp_path, capsys):
     def no_network(self, *args, **kwargs):
         raise OSError("[Errno -2] Name or service not known")

@@ -53,11 +53,10 @@ def train_bpe_tokenizer(texts, vocab_size: int, save_directory: str | None = Non
     if save_directory:
         os.makedirs(save_directory, exist_ok=True)
         tokenizer.save_pretrained(save_directory)
-        # Every process of a data-parallel run trains and saves the same tokenizer: each writes its own temporary.
-        temporary = os.path.join(save_directory, f"{META_FILE}.{os.getpid()}.tmp")
-        with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(meta, handle)
-        os.replace(temporary, os.path.join(save_directory, META_FILE))
+        from .runs import write_text_atomically
+
+        # Every process of a data-parallel run trains and saves the same tokenizer.
+        write_text_atomically(os.path.join(save_directory, META_FILE), json.dumps(meta))
     return tokenizer
 
 

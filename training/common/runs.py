@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 
 import torch
 
@@ -35,13 +36,22 @@ def barrier():
         torch.distributed.barrier()
 
 
+def write_text_atomically(path: str, text: str):
+    """Write ``text`` through a temporary file renamed into place: an interrupted write never leaves a half file
+    behind, nor its temporary. The temporary is this writer's own (processes of one run, on one machine or several,
+    may write the same file at once: with a shared name one renamed the other's away)."""
+    temporary = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:  # the umask's permissions, as any file the user writes
+            handle.write(text)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
 def write_json(path: str, payload: dict):
-    """Write through a temporary file: an interrupted write never leaves a half summary behind. The temporary file
-    is the writing process's own, so that two writers of one path never rename each other's file away."""
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2, default=str)
-    os.replace(temporary, path)
+    write_text_atomically(path, json.dumps(payload, indent=2, default=str))
 
 
 def read_summary(run_dir: str) -> dict | None:

@@ -35,17 +35,32 @@ def _several_processes() -> bool:
     )
 
 
+def _pooling(across_processes: bool | None, caller: str) -> bool:
+    """Whether to pool over processes. Unset in a run of several processes: no, with a warning. Pooling by default
+    would leave a call made on one process alone (a plot, an analysis) waiting for the others until the process
+    group's timeout; not pooling leaves processes with their own data calibrating differently, which is said."""
+    if across_processes is None and _several_processes():
+        warnings.warn(
+            f"{caller}: this is one of {torch.distributed.get_world_size()} processes and calibrates on its own data "
+            "alone, so processes reading other data set other thresholds and route the same tokens differently. "
+            "Pass across_processes=True (and call it on every process) to pool the data of all, or "
+            "across_processes=False where that is meant (the same data on every process, or a call on one).",
+            stacklevel=3,
+        )
+    return bool(across_processes) and _several_processes()
+
+
 @torch.no_grad()
 def measure_entropies(
-    model, dataloader: Iterable, max_batches: int | None = None, across_processes: bool = True
+    model, dataloader: Iterable, max_batches: int | None = None, across_processes: bool | None = None
 ) -> list[torch.Tensor]:
     """Spectral entropies of the non-padding tokens at each routed layer, one 1-D tensor per routed layer.
 
     ``dataloader`` yields tensors of input ids, tuples whose first item is the input ids, or dicts with
-    ``input_ids`` (and optionally ``attention_mask``). With ``torch.distributed`` running several processes and
-    ``across_processes`` (the default), every process gets the entropies of all of them (in rank order), so every
-    process must call it, as every process calls `Trainer.evaluate`; ``across_processes=False`` measures this
-    process's batches alone.
+    ``input_ids`` (and optionally ``attention_mask``). With ``torch.distributed`` running several processes,
+    ``across_processes=True`` gives every process the entropies of all of them (in rank order): every process must
+    then call it, as every process calls `Trainer.evaluate`. False: this process's batches alone; unset: the same,
+    with a warning in a run of several processes.
     """
     device = next(model.parameters()).device
     collected = [[] for _ in model.config.routed_layers]
@@ -62,7 +77,7 @@ def measure_entropies(
         raise ValueError("the model has no routed layer (`layer_operators` has no 'routed' entry)")
     batches = len(collected[0])
     entropies = [torch.cat(store) if store else torch.empty(0) for store in collected]
-    if across_processes and _several_processes():
+    if _pooling(across_processes, "measure_entropies"):
         # Processes that each read their own shard would otherwise each set other thresholds and route the same
         # tokens differently while their gradients are averaged. (Pooled before the checks below: a process that
         # raised alone would leave the others waiting in the gather.)
@@ -133,7 +148,7 @@ def calibrate_thresholds(
     percentiles: Sequence[float] | None = None,
     per_layer: bool = False,
     max_batches: int | None = None,
-    across_processes: bool = True,
+    across_processes: bool | None = None,
 ) -> dict:
     """Set the routing thresholds of ``model.config`` to percentiles of the entropies measured on ``dataloader``
     (each placed between two measured values, never on one: `_percentiles`).
@@ -156,10 +171,12 @@ def calibrate_thresholds(
             with the earlier layers already routing by their final thresholds, so each layer hits its percentiles
             on this data.
         max_batches: stop each pass after this many batches.
-        across_processes: with ``torch.distributed`` running several processes (a data-parallel run), pool the
-            entropies of every process (`measure_entropies`), so that every process sets the same thresholds from
-            the data of all; every process must then call this function. False: this process's data alone (for a
-            call made on one process only; processes calibrating on different data then route differently).
+        across_processes: with ``torch.distributed`` running several processes (a data-parallel run), True pools
+            the entropies of every process (`measure_entropies`), so that every process sets the same thresholds
+            from the data of all; every process must then call this function. False: this process's data alone (the
+            same batches on every process, or a call made on one process only). Unset: this process's data alone,
+            with a warning in a run of several processes (processes calibrating on different data route
+            differently).
 
     Returns ``{"thresholds": {layer index: [τ...]}, "percentiles": [...], "passes": n}``; the model routes with the
     new thresholds from its next forward pass on. When a pass fails, the config's thresholds are restored before the
@@ -196,8 +213,9 @@ def calibrate_thresholds(
     original = {name: copy.deepcopy(getattr(config, name)) for name in _THRESHOLD_FIELDS}
     was_training = model.training
     model.eval()
+    pooled = _pooling(across_processes, "calibrate_thresholds")
     try:
-        if across_processes and _several_processes():
+        if pooled:
             # Every process starts from the first one's thresholds: the entropies of a pass are measured under them,
             # and whether a pass ends the calibration depends on them, so processes starting from their own would
             # pool entropies routed differently, or stop after different passes and wait on each other.
@@ -208,7 +226,7 @@ def calibrate_thresholds(
         if per_layer:
             thresholds = list(config.layer_thresholds or [None] * config.num_hidden_layers)
             for position, layer_idx in enumerate(config.routed_layers):
-                entropies = measure_entropies(model, dataloader, max_batches, across_processes)[position]
+                entropies = measure_entropies(model, dataloader, max_batches, pooled)[position]
                 thresholds[layer_idx] = _percentiles(entropies, percentiles)
                 config.layer_thresholds = thresholds
             result, passes = {i: thresholds[i] for i in config.routed_layers}, len(config.routed_layers)
@@ -216,7 +234,7 @@ def calibrate_thresholds(
             config.layer_thresholds = None
             seen = [[config.tau_mid] if num_thresholds == 1 else [config.tau_lo, config.tau_hi]]
             for passes in range(1, MAX_SHARED_PASSES + 1):
-                entropies = measure_entropies(model, dataloader, max_batches, across_processes)
+                entropies = measure_entropies(model, dataloader, max_batches, pooled)
                 values = _percentiles(torch.cat(entropies), percentiles)
                 set_shared_thresholds(config, values)
                 # Stop at a fixed point (the first routed layer's entropies do not depend on the thresholds, so one

@@ -92,6 +92,11 @@ def _check_arguments(config, batch_size, seq_len, routing_decisions, attention_m
         )
 
     # One decision tensor per routed layer only: non-routed layers have none (a model with no routed layer: `()`).
+    if routing_decisions is None:
+        raise ValueError(
+            "`routing_decisions` is None: a CHIAR-Former returns its routing decisions only when called with "
+            "`output_routing=True`"
+        )
     if not isinstance(routing_decisions, (list, tuple)):
         raise TypeError(
             "`routing_decisions` must be a tuple or list of (batch, seq_len) tensors, one per routed layer (the "
@@ -146,7 +151,8 @@ def count_flops(
 ) -> dict:
     """FLOPs of one forward pass over ``batch_size`` × ``seq_len`` new tokens (after ``past_length`` cached ones).
 
-    ``routing_decisions`` are the model output's ``routing_decisions`` (one (B, T) tensor per routed layer);
+    ``routing_decisions`` are the model output's ``routing_decisions`` (one (B, T) tensor per routed layer, returned
+    by a forward called with ``output_routing=True``);
     ``attention_mask`` is the (B, past + T) padding mask given to the model. ``lm_head_positions`` counts the LM
     head over that many positions per row (None: no head). Returns ``{"attention", "attention_core", "dct",
     "rbf", "ffn", "router", "lm_head", "total", "per_layer"}``; ``per_layer`` holds one such dict per layer.

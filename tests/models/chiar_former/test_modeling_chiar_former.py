@@ -1,6 +1,7 @@
 """CHIAR-Former models: routing, sparse execution, causality, cache, generation, heads, save/load, FLOP counter."""
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -148,22 +149,27 @@ def _calibrate_in_process(rank: int, init_file: str, results: str):
     try:
         ids = random_ids(4, 32, seed=4 + rank)
         model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=5), calibrate_on=None)
+        pooled = dict(percentiles=(75.0,), across_processes=True)
         found = {
-            "shared": calibrate_thresholds(model, [ids[:2], ids[2:]], percentiles=(75.0,))["thresholds"],
-            "per_layer": calibrate_thresholds(model, [ids[:2], ids[2:]], percentiles=(75.0,), per_layer=True)[
-                "thresholds"],
-            "local": calibrate_thresholds(model, [ids], percentiles=(75.0,), across_processes=False)["thresholds"],
-            "rank_0_only": calibrate_thresholds(model, [ids] if rank == 0 else [], percentiles=(75.0,))["thresholds"],
+            "shared": calibrate_thresholds(model, [ids[:2], ids[2:]], **pooled)["thresholds"],
+            "per_layer": calibrate_thresholds(model, [ids[:2], ids[2:]], per_layer=True, **pooled)["thresholds"],
         }
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found["local"] = calibrate_thresholds(model, [ids], percentiles=(75.0,))["thresholds"]
+            calibrate_thresholds(model, [ids], percentiles=(75.0,), across_processes=False)  # meant: no warning
+        found["warnings"] = [str(warning.message) for warning in caught]
+        found["rank_0_only"] = calibrate_thresholds(model, [ids] if rank == 0 else [], **pooled)["thresholds"]
     finally:
         torch.distributed.destroy_process_group()
     Path(results, f"rank{rank}.json").write_text(json.dumps(found))
 
 
 def test_calibration_in_a_data_parallel_run_pools_the_entropies_of_every_process(tmp_path):
-    """Processes that each calibrate on their own shard set one threshold set, the one a single process sets on
-    the batches of all of them (shared and per layer); a process without batches takes part; across_processes=False
-    keeps each process's own."""
+    """With across_processes=True, processes that each calibrate on their own shard set one threshold set, the one
+    a single process sets on the batches of all of them (shared and per layer); a process without batches takes
+    part. Unset, each process keeps its own, with a warning (pooling by default would leave a call made on one
+    process waiting for the others); across_processes=False keeps its own silently."""
     import json
 
     torch.multiprocessing.spawn(_calibrate_in_process, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
@@ -171,6 +177,8 @@ def test_calibration_in_a_data_parallel_run_pools_the_entropies_of_every_process
     assert found[0]["shared"] == found[1]["shared"] and found[0]["per_layer"] == found[1]["per_layer"]
     assert found[0]["rank_0_only"] == found[1]["rank_0_only"]
     assert found[0]["local"] != found[1]["local"]
+    for rank in (0, 1):
+        assert sum("calibrates on its own data" in message for message in found[rank]["warnings"]) == 1
 
     ids = [random_ids(4, 32, seed=4 + rank) for rank in (0, 1)]
     model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=5), calibrate_on=None)
@@ -707,7 +715,8 @@ def _routes(value: int, shape=(2, 16)) -> list[torch.Tensor]:
     (dict(past_length=-1), ValueError, "`past_length`"),
     (dict(lm_head_positions=-1), ValueError, "`lm_head_positions`.*got -1"),
     (dict(lm_head_positions=17), ValueError, "`lm_head_positions`.*seq_len=16.*got 17"),
-    (dict(routing_decisions=None), TypeError, "`routing_decisions` must be a tuple or list"),
+    (dict(routing_decisions=None), ValueError, "`routing_decisions` is None: .* only when called with `output_routing"),
+    (dict(routing_decisions=torch.zeros(2, 16)), TypeError, "`routing_decisions` must be a tuple or list"),
     (dict(routing_decisions=_routes(1)[:1]), ValueError, "`routing_decisions`: expected 2"),
     (dict(routing_decisions=_routes(2)), ValueError, r"`routing_decisions\[0\]`.*\[0, 2\).*\[2, 2\]"),
     (dict(routing_decisions=_routes(-1)), ValueError, r"`routing_decisions\[0\]`.*\[-1, -1\]"),
