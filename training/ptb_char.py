@@ -19,7 +19,6 @@ import sys
 from .common.data import TextCorpus, build_lm_data, char_tokenizer, load_corpus_texts
 from .common.lm_experiment import Benchmark, run_recipe
 from .common.presets import AUTHORS, CPU, SMOKE
-from .common.runs import write_text_atomically
 
 WORD_FILES = {"train": "ptb.train.txt", "validation": "ptb.valid.txt", "test": "ptb.test.txt"}
 CHAR_FILES = {split: name.replace("ptb.", "ptb.char.") for split, name in WORD_FILES.items()}
@@ -38,6 +37,8 @@ def derive_char_files(folder: str):
         if not os.path.isfile(char_path) and os.path.isfile(word_path):
             with open(word_path, encoding="utf-8") as handle:
                 text = word_to_char(handle.read())
+            from .common.runs import write_text_atomically  # here: --help must parse without importing torch
+
             write_text_atomically(char_path, text)  # several processes of one run may derive it at once
 
 
