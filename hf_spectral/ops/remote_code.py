@@ -127,7 +127,7 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
         if destination.is_file() and destination.read_text(encoding="utf-8") == text:
             written.append(str(destination))  # e.g. already copied by transformers for remotely loaded code
             continue
-        _write_atomically(destination, text)
+        write_text_atomically(destination, text)
         written.append(str(destination))
 
     with open(json_file, encoding="utf-8") as handle:
@@ -143,7 +143,7 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
             if not (save_directory / f"{reference.rpartition('.')[0]}.py").is_file():
                 del auto_map[auto_name]
     values["auto_map"] = auto_map
-    _write_atomically(json_file, json.dumps(values, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    write_text_atomically(json_file, json.dumps(values, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     written.append(str(json_file))
     return written
 
@@ -424,9 +424,12 @@ def flatten_imports(path) -> tuple[str, list[Path]]:
     return "".join(lines), imported
 
 
-def _write_atomically(destination: Path, text: str) -> None:
-    # A new file in the same folder (O_EXCL, mode 0o666 filtered by the umask like any ordinary file), renamed over
-    # the destination once complete.
+def write_text_atomically(destination: str | Path, text: str) -> None:
+    """Write ``text`` to ``destination`` through a new file in the same folder (O_EXCL, this writer's own name, mode
+    0o666 filtered by the umask like any ordinary file), renamed over the destination once complete: a reader never
+    sees half a file, writers of one file at once (processes of one run) never rename each other's away, and an
+    interrupted write leaves neither a half file nor its temporary."""
+    destination = Path(destination)
     temporary = destination.with_name(f".{destination.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:

@@ -12,11 +12,11 @@ import os
 import shutil
 import sys
 import time
-import uuid
 
 import torch
 
 from hf_spectral.file_permissions import make_folders
+from hf_spectral.ops.remote_code import write_text_atomically  # noqa: F401  (also the recipes' writer)
 
 from .callbacks import GateTrajectoryCallback, GracefulInterruptCallback, StopAfterStepsCallback
 from .data import fixed_subset
@@ -34,20 +34,6 @@ def is_main_process() -> bool:
 def barrier():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-def write_text_atomically(path: str, text: str):
-    """Write ``text`` through a temporary file renamed into place: an interrupted write never leaves a half file
-    behind, nor its temporary. The temporary is this writer's own (processes of one run, on one machine or several,
-    may write the same file at once: with a shared name one renamed the other's away)."""
-    temporary = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
-    try:
-        with open(temporary, "w", encoding="utf-8") as handle:  # the umask's permissions, as any file the user writes
-            handle.write(text)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
 
 
 def write_json(path: str, payload: dict):
