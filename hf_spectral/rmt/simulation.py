@@ -138,17 +138,25 @@ def simulate_spectrum(weights, correlation: PositionCorrelation, *, dim: int, de
 
 def ks_distance(eigenvalues, delta: float, gamma: float, kappa: float = 1.0, exclude_top: int = 0) -> float:
     """Kolmogorov-Smirnov distance sup_λ |F_emp(λ) − F(λ)| between the eigenvalues (minus the ``exclude_top``
-    largest, e.g. a predicted outlier) and the bulk law κ(MP_δ ⊠ MP_γ), atom at 0 included (eigenvalues within
-    1e-9·λ_max of 0 count as 0)."""
+    largest, e.g. a predicted outlier) and the bulk law κ(MP_δ ⊠ MP_γ), atom at 0 included. Eigenvalues within
+    max(1e-9, 100 ε)·λ_max of 0 count as 0, ε the precision of the eigenvalues' own float type: a float32
+    eigensolver leaves the null space at ~1e-7·λ_max, a float64 one at ~1e-15·λ_max."""
     if isinstance(exclude_top, bool) or not isinstance(exclude_top, (int, np.integer)) or exclude_top < 0:
         raise ValueError(f"exclude_top must be an integer >= 0, got {exclude_top!r}")
-    values = np.sort(np.asarray(eigenvalues, dtype=float).ravel())
+    given = np.asarray(eigenvalues)
+    precision = np.finfo(given.dtype).eps if np.issubdtype(given.dtype, np.floating) else np.finfo(float).eps
+    values = np.sort(given.astype(float).ravel())
+    if values.size == 0:
+        raise ValueError("no eigenvalues given for the KS distance")
+    if not np.isfinite(values).all():
+        raise ValueError(f"the eigenvalues must be finite; got {int((~np.isfinite(values)).sum())} NaN or infinite")
     # the atom at 0 shows up as round-off of either sign; count those eigenvalues as exactly 0
-    values = np.where(np.abs(values) <= 1e-9 * max(np.abs(values).max(), 1e-300), 0.0, values)
+    zero_tolerance = max(1e-9, 100 * float(precision)) * max(np.abs(values).max(), 1e-300)
+    values = np.where(np.abs(values) <= zero_tolerance, 0.0, values)
     if exclude_top:
         values = values[:-exclude_top]
     if values.size == 0:
-        raise ValueError("no eigenvalues left for the KS distance")
+        raise ValueError(f"no eigenvalues left for the KS distance after excluding the top {exclude_top}")
     # compare the two step/continuous functions at every distinct value x and just below it: F is continuous
     # except for its atom at 0, where F(0⁻) = 0
     points, counts = np.unique(values, return_counts=True)

@@ -16,11 +16,15 @@ from hf_spectral.rmt import (
     mean_pooling_weights,
     mu_norm2_for_rho,
     optimal_pooling_weights,
+    pooling_snr,
     population_outlier,
     population_overlap,
     population_threshold,
+    problem_sizes,
     sample_outlier,
     sample_overlap,
+    sample_pooled,
+    sample_table,
     sample_threshold,
     signal_overlap_factor,
     simulate_spectrum,
@@ -240,6 +244,25 @@ def test_scalar_arguments_and_bad_values_are_handled_by_name():
 def test_ks_distance_refuses_a_negative_count_to_exclude():
     with pytest.raises(ValueError, match="exclude_top must be an integer >= 0, got -1"):
         ks_distance(np.linspace(0.1, 2.0, 50), 0.5, 0.5, exclude_top=-1)
+    with pytest.raises(ValueError, match="no eigenvalues given"):
+        ks_distance([], 0.5, 0.5)
+    with pytest.raises(ValueError, match="must be finite; got 1 NaN"):
+        ks_distance([0.5, float("nan"), 1.0], 0.5, 0.5)
+
+
+def test_ks_distance_counts_the_null_space_of_a_float32_eigensolver_as_the_atom():
+    # δ = 2: half the spectrum is the atom at 0, which float32 round-off leaves at ~1e-7·λ_max, not ~1e-15
+    dim, delta, gamma = 300, 2.0, 0.5
+    vocab, n = problem_sizes(dim, delta, gamma)
+    rng = np.random.default_rng(0)
+    table = sample_table(dim, vocab, 0.0, rng=rng)
+    pooled = sample_pooled(table, PREFIX, WEIGHTS["causal"], n, rng).vectors
+    S = pooled.T @ pooled / n
+    kappa = pooling_snr(WEIGHTS["causal"], PREFIX.matrix).kappa
+    exact = ks_distance(np.linalg.eigvalsh(S), dim / vocab, dim / n, kappa)
+    single = ks_distance(np.linalg.eigvalsh(S.astype(np.float32)), dim / vocab, dim / n, kappa)
+    assert exact < 0.025
+    assert single == pytest.approx(exact, abs=0.005)
 
 
 def test_weights_on_about_one_position_warn_that_the_bulk_law_does_not_hold():
