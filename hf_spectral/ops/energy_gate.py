@@ -554,7 +554,9 @@ class EnergyGate(nn.Module):
         if self.energy.history and new_valid is not None:  # padding reads as silence: left padding changes nothing
             x = x * new_valid[:, :, None].to(x.dtype)
         width = state_channels(self.state_floats, past_aux.dtype) if past_length else 0
-        past_features = past_aux[..., width:] if past_length and self.energy.feature_width else None
+        # the filter history sits after the statistics; on CUDA the folded head pads the cache's values after it
+        features = slice(width, width + self.energy.feature_width)
+        past_features = past_aux[..., features] if past_length and self.energy.feature_width else None
         energy = at_least_float32(self.energy(x, past_features))
         weight = token_weight(new_valid)
 

@@ -27,7 +27,7 @@ from transformers.integrations.flex_attention import compile_friendly_flex_atten
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from .precision import as_dtype, at_least_float32
+from .precision import as_dtype, at_least_float32, full_precision
 
 try:  # flex_attention is missing from old or stripped-down torch builds
     from torch.nn.attention.flex_attention import BlockMask
@@ -44,12 +44,15 @@ FUSED_KERNEL_ALIGNMENT = 8  # channels: flash and memory-efficient SDPA on CUDA 
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def fused_kernel_alignment(device: torch.device) -> int:
+    """The multiple of channels a folded head is padded to on ``device``: 8 on CUDA, 1 elsewhere."""
+    return FUSED_KERNEL_ALIGNMENT if torch.device(device).type == "cuda" else 1
+
+
 def folded_head_size(head_dim: int, extra: int, device: torch.device) -> int:
     """Channels of a folded head: ``head_dim`` plus ``extra`` ≥ 1, rounded up to a multiple of 8 on CUDA."""
-    width = head_dim + max(1, extra)
-    if torch.device(device).type == "cuda":
-        width = -(-width // FUSED_KERNEL_ALIGNMENT) * FUSED_KERNEL_ALIGNMENT
-    return width
+    alignment = fused_kernel_alignment(device)
+    return -(-(head_dim + max(1, extra)) // alignment) * alignment
 
 
 def fold_bias_into_kv(
@@ -242,7 +245,7 @@ def eager_attention_with_key_bias(
     groups = _key_value_groups(module, query, key)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if getattr(module, "reorder_and_upcast_attn", False):
-        with torch.autocast(query.device.type, enabled=False):
+        with full_precision(query):
             scores = torch.matmul(at_least_float32(query), at_least_float32(key).transpose(2, 3)) * scaling
     else:
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling

@@ -1,5 +1,7 @@
 """The working precision of the mechanisms' statistics, exponentials, logs and sums."""
 
+import contextlib
+
 import torch
 
 
@@ -18,4 +20,13 @@ def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
-__all__ = ["as_dtype", "at_least_float32"]
+def full_precision(tensor: torch.Tensor):
+    """A block in which ``torch.autocast`` (for ``tensor``'s device) is off: inside autocast, matmul-class ops
+    (``@``, ``einsum``, ``linear``) cast float32 inputs back down to 16 bits, so ``at_least_float32`` alone would give
+    a float32 result of 16-bit precision. (A device without autocast, e.g. ``meta``, gets an empty block.)"""
+    if not torch.amp.is_autocast_available(tensor.device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(tensor.device.type, enabled=False)
+
+
+__all__ = ["as_dtype", "at_least_float32", "full_precision"]

@@ -31,7 +31,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.import_utils import is_torchdynamo_compiling
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ...ops.energy_gate import DaubechiesEnergy, EnergyGate, MorletEnergy, check_generation_mode, padding_mask
@@ -291,7 +290,7 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
                 f"position_ids must be (batch, length) or (1, length) = ({batch}, {length}), got shape "
                 f"{tuple(position_ids.shape)}"
             )
-        if not is_torchdynamo_compiling():  # values: checked eagerly only (a compiled graph cannot raise on data)
+        if host_reads_are_free(position_ids):  # values: not on a device (a wait) nor in a compiled graph (no raise)
             low, high = position_ids.aminmax()
             if low < 0 or high >= config.max_position_embeddings:
                 past_context = high >= config.max_position_embeddings

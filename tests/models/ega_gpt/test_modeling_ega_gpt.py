@@ -128,6 +128,27 @@ def test_cached_decoding_equals_the_uncached_forward(variant, normalization):
     assert_close_on_tokens(torch.cat(pieces, 1), full, mask)
 
 
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("variant", list(KINDS))
+def test_cached_generation_reads_the_gate_state_past_a_padded_folded_head(variant, cache_implementation, monkeypatch):
+    """On CUDA the folded head is padded to a multiple of 8 channels, so the KV cache's values carry zeros after the
+    gate's state: the gate must read its statistics and filter history without them (CUDA's rule, run here)."""
+    from hf_spectral.ops import gated_attention
+
+    monkeypatch.setattr(gated_attention, "fused_kernel_alignment", lambda device: 8)
+    model = tiny_model(variant)
+    ids = padded_batch()[0][:, 5:]
+    if cache_implementation == "dynamic":
+        assert_generation_matches_the_forward(model, ids)
+        return
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static", output_logits=True,
+                         return_dict_in_generate=True)
+    with torch.no_grad():
+        full = model(out.sequences).logits
+    for step, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("mask_kind", ["all ones", "none"])
 @pytest.mark.parametrize("variant", ["EGA-1", "EGA-2", "EGA-C"])
 def test_unpadded_token_by_token_decoding_equals_the_uncached_forward(variant, mask_kind):
@@ -443,6 +464,19 @@ def test_bad_inputs_are_refused_with_the_argument_and_shapes(inputs, match):
     model = tiny_model("EGA-1")
     with torch.no_grad(), pytest.raises(ValueError, match=match):
         model(**inputs)
+
+
+def test_input_checks_read_no_values_from_a_device():
+    """generate() passes position_ids at every step: their range is checked on the host only where that is free (a
+    meta tensor has no values, so any read would raise here; on CUDA it would wait for the device)."""
+    from hf_spectral.models.ega_gpt.modeling_ega_gpt import check_inputs
+
+    config = tiny_config("EGA-1")
+    ids = torch.ones(2, 5, dtype=torch.long, device="meta")
+    mask = torch.ones(2, 9, dtype=torch.long, device="meta")
+    check_inputs(config, ids, None, mask, torch.arange(4, 9, device="meta")[None], 4)
+    with pytest.raises(ValueError, match="got values from 44 to 48"):  # on the CPU it reads them
+        check_inputs(config, torch.ones(2, 5, dtype=torch.long), None, None, torch.arange(44, 49)[None], 4)
 
 
 def test_a_sequence_longer_than_the_context_is_refused_by_its_length():
