@@ -77,6 +77,7 @@ class SequencePooling(nn.Module):
             # All ones marks the unfitted head (see the class docstring); saved with the model once fitted.
             self.register_buffer("position_weights", torch.ones(max_positions))
         self._allow_unfitted = False
+        self._checked_weights = None  # (the weight tensor, its version) last found fitted: read once, not per call
 
     @property
     def is_fitted(self) -> bool:
@@ -84,6 +85,28 @@ class SequencePooling(nn.Module):
         if self.mode != "rmt_optimal" or self.max_positions == 1:
             return True
         return not bool((self.position_weights == 1).all())
+
+    def _check_fitted(self) -> None:
+        """Refuse an unfitted ``rmt_optimal`` head. The weights are read on the host when they are new or changed
+        since the last check (installed, loaded, moved), not at every call: on a device each read would wait for
+        it. A compiled graph skips the check (it cannot raise on data); the eager calls before it make it."""
+        if torch.compiler.is_compiling():
+            return
+        weights = self.position_weights
+        try:
+            version = weights._version
+        except RuntimeError:  # a tensor made under inference_mode keeps no version counter: check at every call
+            version = None
+        checked = self._checked_weights
+        if version is not None and checked is not None and checked[0] is weights and checked[1] == version:
+            return
+        if not self.is_fitted:
+            raise ValueError(
+                "this 'rmt_optimal' pooling head has no fitted weights; fit them with "
+                "hf_spectral.rmt.fit_rmt_pooling(model, train_dataloader) or install them with "
+                "model.pooling.set_position_weights(weights) before running the model"
+            )
+        self._checked_weights = (weights, version)
 
     @contextmanager
     def unfitted_allowed(self):
@@ -126,14 +149,12 @@ class SequencePooling(nn.Module):
             return pool_last(hidden, mask)
         if self.mode == "mean":
             return pool_weighted(hidden, mask, mask.to(torch.float32))
-        if not self.is_fitted and not self._allow_unfitted:
-            raise ValueError(
-                "this 'rmt_optimal' pooling head has no fitted weights; fit them with "
-                "hf_spectral.rmt.fit_rmt_pooling(model, train_dataloader) or install them with "
-                "model.pooling.set_position_weights(weights) before running the model"
-            )
+        if self.mode == "rmt_optimal" and not self._allow_unfitted:
+            self._check_fitted()
         positions = token_positions(mask)
-        if positions.numel() and positions.max() >= self.max_positions:
+        # A row's positions count its tokens, so only a sequence longer than the table can overflow it: the values
+        # are read (a host synchronisation on a device) only then.
+        if hidden.shape[1] > self.max_positions and positions.max() >= self.max_positions:
             raise ValueError(f"sequence has more than {self.max_positions} tokens, the size of the pooling table")
         if self.mode == "learned":
             # The lowest float, not -inf: a row of padding only gets finite weights (zeroed by the mask), not NaN.

@@ -1,5 +1,7 @@
 """SequencePooling (hf_spectral/ops/pooling.py): the pooling modes of the classification heads."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -97,6 +99,15 @@ def test_fitted_rmt_optimal_pools_with_its_weights_by_real_token_position():
     torch.testing.assert_close(pooled[0], expected_row0)
 
 
+def test_weights_of_both_signs_are_normalised_by_their_absolute_sum():
+    pooling = SequencePooling("rmt_optimal", 7)
+    weights = torch.tensor([2.0, -1.0, 1.0, 0.5, 0.0, 0.0, 0.0])
+    pooling.set_position_weights(weights)
+    hidden, mask = padded()
+    expected_row0 = (weights[:5, None] * hidden[0, 2:]).sum(0) / weights[:5].abs().sum()
+    torch.testing.assert_close(pooling(hidden, mask)[0], expected_row0)
+
+
 def test_weights_of_all_ones_are_mean_pooling_and_not_the_unfitted_state():
     pooling = SequencePooling("rmt_optimal", 7)
     pooling.set_position_weights(torch.ones(7))
@@ -128,3 +139,47 @@ def test_a_row_of_padding_only_pools_to_finite_values_and_gradients(mode):
     pooled.sum().backward()
     assert torch.isfinite(pooled).all() and torch.isfinite(hidden.grad).all()
     assert all(torch.isfinite(p.grad).all() for p in pooling.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("mode", ["last", "mean", "learned", "rmt_optimal"])
+def test_pooling_reads_no_values_from_a_device(mode):
+    """A meta tensor has no values (a read raises): pooling sequences that fit the table reads none, as it must not
+    on a GPU (each read would wait for the device)."""
+    pooling = SequencePooling(mode, max_positions=8).to("meta")
+    hidden, mask = (tensor.to("meta") for tensor in padded())
+    with pooling.unfitted_allowed() if mode == "rmt_optimal" else contextlib.nullcontext():
+        assert pooling(hidden, mask).shape == (3, 5)
+
+
+def test_rmt_optimal_reads_whether_it_is_fitted_once_per_set_of_weights(monkeypatch):
+    reads = []
+    monkeypatch.setattr(SequencePooling, "is_fitted", property(lambda self: reads.append(1) or True))
+    pooling = SequencePooling("rmt_optimal", 7)
+    pooling.set_position_weights(torch.arange(7.0))
+    hidden, mask = padded()
+    for _ in range(3):
+        pooling(hidden, mask)
+    assert len(reads) == 1
+    pooling.to(torch.float64)  # new weight tensors: read again, once
+    pooling(hidden.double(), mask)
+    pooling(hidden.double(), mask)
+    assert len(reads) == 2
+
+
+def test_rmt_optimal_weights_changed_in_place_are_checked_again():
+    pooling = SequencePooling("rmt_optimal", 7)
+    pooling.set_position_weights(torch.arange(7.0))
+    hidden, mask = padded()
+    pooling(hidden, mask)
+    with torch.no_grad():
+        pooling.position_weights.fill_(1.0)  # the unfitted marker, written in place
+    with pytest.raises(ValueError, match="no fitted weights"):
+        pooling(hidden, mask)
+
+
+def test_a_sequence_longer_than_the_pooling_table_is_refused():
+    hidden, mask = padded(length=7)
+    with pytest.raises(ValueError, match="more than 6 tokens"):
+        SequencePooling("learned", 6)(hidden, mask)
+    mask[:, :1] = 0  # 6 tokens in every row: a padded row may be longer than the table
+    assert SequencePooling("learned", 6)(hidden, mask).shape == (3, 5)
