@@ -15,7 +15,7 @@ import math
 import torch
 from torch.nn import functional as F
 
-from .precision import at_least_float32
+from .precision import at_least_float32, full_precision
 
 RBF_VARIANTS = ("positive", "authors")
 
@@ -26,7 +26,8 @@ def positive_random_features(x: torch.Tensor, omega: torch.Tensor, gamma: float)
     E[φ(x)·φ(y)] = exp(−γ ‖x − y‖²). Positive features keep the kernel-attention normaliser Σ φ(q)·φ(k) > 0.
     Computed in float32 (the exponent is not scale-free)."""
     x = at_least_float32(x)
-    exponent = x @ omega.to(x.dtype) - 2.0 * gamma * x.square().sum(-1, keepdim=True)
+    with full_precision(x):
+        exponent = x @ omega.to(x.dtype) - 2.0 * gamma * x.square().sum(-1, keepdim=True)
     return torch.exp(exponent) / math.sqrt(omega.shape[-1])
 
 
@@ -34,7 +35,8 @@ def trigonometric_random_features(x: torch.Tensor, omega: torch.Tensor) -> torch
     """The authors' random Fourier features φ(x) = [cos(xω), sin(xω)] / √R, x (..., d), ω (d, R) -> (..., 2R),
     with E[φ(x)·φ(y)] = exp(−γ ‖x − y‖²) for ω ~ N(0, 2γ I). Not positive: usable only inside a softmax."""
     x = at_least_float32(x)
-    projected = x @ omega.to(x.dtype)
+    with full_precision(x):
+        projected = x @ omega.to(x.dtype)
     return torch.cat([projected.cos(), projected.sin()], dim=-1) / math.sqrt(omega.shape[-1])
 
 
@@ -43,7 +45,8 @@ def kernel_attention_state(phi_k: torch.Tensor, values: torch.Tensor) -> torch.T
     The last column is the normaliser Σ φ(k_j). Zero rows of phi_k (padding) contribute nothing."""
     augmented = at_least_float32(values)
     augmented = torch.cat([augmented, augmented.new_ones(augmented.shape[:-1] + (1,))], -1)
-    return phi_k.to(augmented.dtype).transpose(1, 2) @ augmented
+    with full_precision(augmented):
+        return phi_k.to(augmented.dtype).transpose(1, 2) @ augmented
 
 
 def _read_out(numerator_and_normaliser: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,12 +85,13 @@ def causal_kernel_attention(
     phi_k = phi_k.view(batch, chunks, chunk_size, features)
     augmented = augmented.view(batch, chunks, chunk_size, width)
 
-    chunk_states = phi_k.transpose(-1, -2) @ augmented  # (B, n, R, d + 1)
-    running = torch.cumsum(chunk_states, dim=1)
-    before_chunk = torch.cat([torch.zeros_like(running[:, :1]), running[:, :-1]], dim=1) + state[:, None]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=phi_q.device).tril()
-    scores = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~causal, 0.0)
-    summed = phi_q @ before_chunk + scores @ augmented
+    with full_precision(augmented):  # the prefix sums a cache carries over every later step stay float32
+        chunk_states = phi_k.transpose(-1, -2) @ augmented  # (B, n, R, d + 1)
+        running = torch.cumsum(chunk_states, dim=1)
+        before_chunk = torch.cat([torch.zeros_like(running[:, :1]), running[:, :-1]], dim=1) + state[:, None]
+        causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=phi_q.device).tril()
+        scores = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~causal, 0.0)
+        summed = phi_q @ before_chunk + scores @ augmented
     out = _read_out(summed.view(batch, chunks * chunk_size, width)[:, :length], eps)
     return out.to(values.dtype), state + running[:, -1]
 
@@ -98,7 +102,8 @@ def bidirectional_kernel_attention(
     """Unmasked linear kernel attention out_i = Σ_j (φ(q_i)·φ(k_j)) v_j / Σ_j φ(q_i)·φ(k_j) over all positions
     (encoders), O(T·R·d). Shapes as in :func:`causal_kernel_attention`; padding keys must have φ(k) = 0."""
     state = kernel_attention_state(phi_k, values)
-    return _read_out(phi_q.to(state.dtype) @ state, eps).to(values.dtype)
+    with full_precision(state):
+        return _read_out(phi_q.to(state.dtype) @ state, eps).to(values.dtype)
 
 
 def authors_rbf_mixing(phi: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:

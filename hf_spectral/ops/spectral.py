@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .precision import at_least_float32
+from .precision import at_least_float32, full_precision
 
 DCT_IMPLEMENTATIONS = ("matrix", "fft")
 
@@ -138,7 +138,8 @@ def spectral_entropy_from_spectrum(spectrum: torch.Tensor, dc_power_scale: float
     # Σ p log p = Σ P log P / S − log S with P = X², S = Σ P, the sum as one batched dot product: a few passes
     # over the spectrum instead of seven. log(max(P, tiny)) keeps P log P = 0 and its gradient finite at P = 0.
     log_power = torch.log(power.clamp_min(torch.finfo(power.dtype).tiny))
-    p_log_p = torch.einsum("...k,...k->...", power, log_power)
+    with full_precision(power):
+        p_log_p = torch.einsum("...k,...k->...", power, log_power)
     nonzero = total > 0
     safe_total = torch.where(nonzero, total, torch.ones_like(total))
     entropy = (torch.log(safe_total) - p_log_p / safe_total) / math.log(spectrum.shape[-1])

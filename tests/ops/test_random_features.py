@@ -95,3 +95,24 @@ def test_authors_rbf_mixing_is_softmax_of_feature_products_and_reads_the_future(
     torch.testing.assert_close(
         ops.authors_rbf_mixing(phi, changed, key_valid)[:, :-1], ops.authors_rbf_mixing(phi, values, key_valid)[:, :-1]
     )
+
+
+def test_kernel_mixing_under_autocast_keeps_float32_precision():
+    # autocast would run the features' exponent and the prefix sums' products in bfloat16 (~1% feature error)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.nn.functional.layer_norm(torch.randn(2, 40, 64, generator=generator), (64,))
+    gamma = 1 / (4 * 64)
+    omega = torch.randn(64, 32, generator=generator) * math.sqrt(2 * gamma)
+    values = torch.randn(2, 40, 16, generator=generator)
+
+    def mix():
+        phi = ops.positive_random_features(x, omega, gamma)
+        trig = ops.trigonometric_random_features(x, omega)
+        return (phi, trig, *ops.causal_kernel_attention(phi, phi, values, chunk_size=16),
+                ops.bidirectional_kernel_attention(phi, phi, values))
+
+    reference = mix()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = mix()
+    for a, b in zip(autocast, reference):
+        assert a.dtype == torch.float32 and torch.equal(a, b)  # the same float32 ops

@@ -162,3 +162,12 @@ def test_dct_mixing_is_per_token():
     changed[:, 3:] = _random(1, 3, 16, seed=11)
     f = _random(16, seed=12)
     torch.testing.assert_close(ops.dct_mixing(changed, f)[:, :3], ops.dct_mixing(x, f)[:, :3])
+
+
+def test_entropy_under_autocast_keeps_float32_precision():
+    # autocast would run the entropy's batched dot product in bfloat16 (max error ~5e-4 on LayerNorm-ed states)
+    spectrum = ops.dct(torch.nn.functional.layer_norm(torch.randn(4, 64, 128), (128,)))
+    reference = ops.spectral_entropy_from_spectrum(spectrum)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = ops.spectral_entropy_from_spectrum(spectrum)
+    assert torch.equal(autocast, reference)  # the same float32 ops
