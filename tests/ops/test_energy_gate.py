@@ -34,9 +34,19 @@ def _padded_energy(seed=0, batch=3, heads=2, scales=2, length=11):
     return energy, valid
 
 
-def test_causal_normalisation_uses_only_the_valid_prefix():
+# (scale, offset, atol): energies of ordinary spread, of a std between ε and √ε (where a floor on the variance
+# instead of the std would act) and of a std below ε = 1e-5 (where the std's floor ε acts).
+SPREADS = [(3.0, 5.0, 1e-5), (1e-3, 5.0, 2e-3), (1e-7, 0.0, 1e-4)]
+
+
+@pytest.mark.parametrize("scale, offset, atol", SPREADS, ids=["spread", "small-std", "below-eps"])
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_causal_normalisation_uses_only_the_valid_prefix(padded, scale, offset, atol):
     energy, valid = _padded_energy()
-    z = normalize_energy(energy, valid, "causal", eps=1e-5)
+    energy = (energy - 5) / 3 * scale + offset
+    if not padded:  # the unpadded path (no mask): its own arithmetic, against the same reference
+        valid = torch.ones_like(valid)
+    z = normalize_energy(energy, valid if padded else None, "causal", eps=1e-5)
     for b in range(energy.shape[0]):
         seen = []
         for t in range(energy.shape[-1]):
@@ -49,7 +59,7 @@ def test_causal_normalisation_uses_only_the_valid_prefix():
                 continue
             prefix = energy[b, ..., seen].double()
             expected = (energy[b, ..., t].double() - prefix.mean(-1)) / prefix.std(-1).clamp(min=1e-5)
-            torch.testing.assert_close(z[b, ..., t].double(), expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(z[b, ..., t].double(), expected, atol=atol, rtol=1e-5)
 
 
 def test_causal_normalisation_is_stable_far_from_zero():
@@ -60,13 +70,16 @@ def test_causal_normalisation_is_stable_far_from_zero():
     torch.testing.assert_close(z, shifted, atol=2e-3, rtol=0)
 
 
-def test_window_normalisation_uses_every_valid_position():
+@pytest.mark.parametrize("scale, offset, atol", SPREADS, ids=["spread", "small-std", "below-eps"])
+def test_window_normalisation_uses_every_valid_position(scale, offset, atol):
     energy, valid = _padded_energy()
-    z = normalize_energy(energy, valid, "window")
+    energy = (energy - 5) / 3 * scale + offset
+    z = normalize_energy(energy, valid, "window", eps=1e-5)
     for b in range(energy.shape[0]):
         window = energy[b][..., valid[b]].double()
-        expected = (energy[b].double() - window.mean(-1, keepdim=True)) / window.std(-1, keepdim=True)
-        torch.testing.assert_close(z[b][..., valid[b]].double(), expected[..., valid[b]], atol=1e-5, rtol=1e-5)
+        std = window.std(-1, keepdim=True).clamp(min=1e-5)
+        expected = (energy[b].double() - window.mean(-1, keepdim=True)) / std
+        torch.testing.assert_close(z[b][..., valid[b]].double(), expected[..., valid[b]], atol=atol, rtol=1e-5)
         assert torch.all(z[b][..., ~valid[b]] == 0)
 
 

@@ -99,6 +99,13 @@ def test_retrofitted_gpt2_gated_sdpa_runs_in_a_fused_kernel(tmp_path):
         out = model(ids[:, 5:], use_cache=True)
         model(ids[:, -1:], cache=out.cache, use_cache=True)
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    model.float()  # the fused kernel computes what the math kernel does (float32: the memory-efficient kernel)
+    with torch.no_grad():
+        with sdpa_kernel(FUSED):
+            fused = model(ids, attention_mask=mask).logits
+        with sdpa_kernel([SDPBackend.MATH]):
+            reference = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(fused * mask[..., None], reference * mask[..., None], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("variant", ["EGA-1", "EGA-C"])
