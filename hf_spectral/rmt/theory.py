@@ -76,13 +76,15 @@ def _cubic_coefficients(x, delta, gamma):
 def _roots(coefficients):
     """Roots of each row's cubic (highest degree first), NaN-padded where the leading coefficients vanish.
 
-    Rows with a non-zero cubic coefficient go through one batched companion-matrix eigenvalue call, quadratics
-    (δγ = 0: the Marchenko-Pastur equation) through the quadratic formula, the rest (x = 0) through ``np.roots``.
+    Rows with a cubic coefficient go through one batched companion-matrix eigenvalue call, quadratics (δγ = 0: the
+    Marchenko-Pastur equation) through the quadratic formula, the rest (x = 0) through ``np.roots``. A cubic
+    coefficient below 1e-12 of the others (δγ → 0) counts as 0: its third root, of size ~1/(δγx), carries no mass,
+    and in the companion matrix it would swamp the other two with its round-off.
     """
     coefficients = np.asarray(coefficients, dtype=complex)
     flat = coefficients.reshape(-1, 4)
     out = np.full((flat.shape[0], 3), np.nan + 0j)
-    cubic = np.abs(flat[:, 0]) > 1e-300
+    cubic = np.abs(flat[:, 0]) > np.maximum(1e-12 * np.abs(flat[:, 1:]).max(axis=1), 1e-300)
     if cubic.any():
         monic = flat[cubic, 1:] / flat[cubic, :1]
         companion = np.zeros((monic.shape[0], 3, 3), dtype=complex)
@@ -200,8 +202,9 @@ def bulk_density(lam, delta: float, gamma: float, kappa: float = 1.0) -> np.ndar
     roots = _roots(_cubic_coefficients(x.astype(complex), delta, gamma))
     # on the real axis inside the support the cubic has exactly one complex-conjugate pair: Im m(x + i0) > 0
     imag = np.nanmax(np.where(np.isnan(roots), 0.0, roots.imag), axis=-1)
-    # outside the support all three roots are real up to round-off
-    imag = np.where(imag > 1e-9 * (1 + np.nanmax(np.abs(np.nan_to_num(roots)), axis=-1)), imag, 0.0)
+    # outside the support all three roots are real up to round-off, relative to the pair's size (the median: as
+    # δγ → 0 the third root grows like 1/(δγx) and would hide a real density)
+    imag = np.where(imag > 1e-9 * (1 + np.median(np.abs(np.nan_to_num(roots)), axis=-1)), imag, 0.0)
     inside = np.zeros_like(x, dtype=bool)
     for lo, hi in bulk_support(delta, gamma):
         inside |= (x >= lo) & (x <= hi)

@@ -1,6 +1,8 @@
 """Closed forms of hf_spectral.rmt.theory against independent numerics (free-probability moments, the
 Marchenko-Pastur law, Bai-Yao's map computed by quadrature) and against small seeded simulations."""
 
+import math
+
 import numpy as np
 import pytest
 from scipy import integrate, optimize
@@ -172,6 +174,15 @@ def test_simulated_bulk_matches_the_density(delta, gamma):
     assert wrong > 0.05
 
 
+@pytest.mark.parametrize("tiny", [1e-8, 1e-10, 1e-12, 1e-14])
+def test_a_vanishing_ratio_gives_the_marchenko_pastur_limit(tiny):
+    # the cubic's third root grows like 1/(δγx): it must neither hide the density nor swamp the other two roots
+    x = np.linspace(0.1, 2.9, 15)
+    for delta, gamma in ((tiny, 0.5), (0.5, tiny)):
+        np.testing.assert_allclose(bulk_density(x, delta, gamma), bulk_density(x, 0.0, 0.5), atol=1e-6)
+        assert bulk_cdf(delta, gamma).continuous_mass == pytest.approx(1.0, abs=1e-3)
+
+
 def test_bulk_cdf_reports_its_mass():
     assert bulk_cdf(0.5, 0.5).continuous_mass == pytest.approx(1.0, abs=1e-3)
     assert bulk_cdf(2.0, 0.5)(0.0) == pytest.approx(0.5)
@@ -239,6 +250,15 @@ def test_scalar_arguments_and_bad_values_are_handled_by_name():
         snr(-1.0, 1.0, 1.0)
     with pytest.raises(ValueError, match="mu_norm2 must be finite and >= 0"):
         snr(1.0, 1.0, float("nan"))
+
+
+@pytest.mark.parametrize("delta", [0.25, 0.5, 2.0])
+def test_below_the_population_threshold_the_top_eigenvalue_is_the_bulk_edge(delta):
+    edge, threshold = (1 + math.sqrt(delta)) ** 2, population_threshold(delta)
+    assert population_outlier(0.9 * threshold, delta, kappa=2.0) == pytest.approx(2.0 * edge, rel=1e-12)
+    assert population_overlap(0.9 * threshold, delta) == 0.0
+    # continuous at the threshold: the outlier leaves the edge there
+    assert population_outlier(threshold * (1 + 1e-9), delta) == pytest.approx(edge, rel=1e-6)
 
 
 def test_ks_distance_refuses_a_negative_count_to_exclude():
