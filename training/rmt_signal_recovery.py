@@ -139,9 +139,11 @@ def run_pooling_snr(preset, out, seeds):
             rows.append({"R": label, "pooling": name, "alpha_over_kappa": snr.ratio,
                          "weight_on_first_quarter": float(np.abs(w[: T // 4]).sum() / np.abs(w).sum())})
     spec = {row["pooling"]: row["alpha_over_kappa"] for row in rows if row["R"].startswith("prefix")}
-    notes = (f"SPEC 3.2 example (T = 64, L = 8): mean (L² + T − L)/T = {(L * L + T - L) / T:.4f}, harmonic ≈ 5.14, "
-             f"optimal L = {L}. Measured: mean {spec['mean']:.4f}, harmonic {spec['causal']:.4f}, optimal "
-             f"{spec['optimal']:.4f}. 'causal' is the strictly-causal harmonic limit w_t ∝ H_(T−1) − H_(t−1).")
+    expected = f"mean (L² + T − L)/T = {(L * L + T - L) / T:.4f}, optimal L = {L}"
+    notes = ((f"SPEC 3.2 example (T = 64, L = 8): {expected}, harmonic ≈ 5.14." if (T, L) == (64, 8) else
+              f"T = {T}, L = {L} (the SPEC 3.2 example is T = 64, L = 8): {expected}.")
+             + f" Measured: mean {spec['mean']:.4f}, harmonic {spec['causal']:.4f}, optimal {spec['optimal']:.4f}. "
+             "'causal' is the strictly-causal harmonic limit w_t ∝ H_(T−1) − H_(t−1).")
     write_results(out, "pooling_snr", rows, title="α/κ of the pooling weights", config={"T": T, "L": L},
                   seeds=seeds, notes=notes)
     return {"spec_example": spec, "T": T, "L": L}
@@ -223,17 +225,18 @@ def run_outliers(preset, out, seeds):
     worst_top = max(row["top_rel_error"] for row in judged)
     worst_overlap = max(row["overlap_rel_error"] for row in judged)
     near = [row for row in rows if row["dim"] == largest and row["rho_over_threshold"] < 2.0]
+    holds = worst_top <= CRITERIA["outlier_top_rel"] and worst_overlap <= CRITERIA["outlier_overlap_rel"]
     notes = (f"Relative errors of the seed means against the closed forms. At d = {largest} and ρ ≥ 2× the sample "
              f"threshold: worst top-eigenvalue error {worst_top:.2%}, worst overlap error {worst_overlap:.2%}"
              + (f"; at 1.5× the threshold: {max(r['top_rel_error'] for r in near):.2%} / "
                 f"{max(r['overlap_rel_error'] for r in near):.2%} (finite-d corrections grow near the transition)"
                 if near else "") + ". The three poolings have different κ and α; the theory depends on them only "
-             "through ρ and κ, which the agreement across poolings confirms.")
+             "through ρ and κ" + (", which the agreement across poolings confirms." if holds else
+                                  "; at these sizes the poolings' errors exceed the criteria."))
     write_results(out, "outliers", rows, title="Outlier eigenvalue and overlap past the sample threshold",
                   config={"prefix": preset["prefix"], "factors": preset["outlier_factors"]}, seeds=list(seeds),
                   notes=notes)
-    return {"worst_top": worst_top, "worst_overlap": worst_overlap, "dim": largest,
-            "holds": worst_top <= CRITERIA["outlier_top_rel"] and worst_overlap <= CRITERIA["outlier_overlap_rel"]}
+    return {"worst_top": worst_top, "worst_overlap": worst_overlap, "dim": largest, "holds": holds}
 
 
 def run_below_threshold(preset, out, seeds):
@@ -595,8 +598,8 @@ def write_readme(out, args, started, results):
     snr = results["snr"]["spec_example"]
     spec_ok = (abs(snr["mean"] - 1.875) < 1e-9 and abs(snr["causal"] - 5.14) < 0.005 and abs(snr["optimal"] - 8) < 1e-9
                if (results["snr"]["T"], results["snr"]["L"]) == (64, 8) else None)
-    lines.append(f"| α/κ, T = {results['snr']['T']}, L = {results['snr']['L']}: mean, harmonic, optimal | SPEC: 1.875, "
-                 f"≈ 5.14, 8 | {snr['mean']:.4f}, {snr['causal']:.4f}, {snr['optimal']:.4f} | "
+    lines.append(f"| α/κ, T = {results['snr']['T']}, L = {results['snr']['L']}: mean, harmonic, optimal | SPEC "
+                 f"(T = 64, L = 8): 1.875, ≈ 5.14, 8 | {snr['mean']:.4f}, {snr['causal']:.4f}, {snr['optimal']:.4f} | "
                  f"{'n/a (smoke sizes)' if spec_ok is None else verdict(spec_ok)} |")
     b = results["bulk"]
     lines.append(f"| bulk = κ(MP_δ ⊠ MP_γ) | KS ≤ {CRITERIA['bulk_ks_max']} at the largest d, decreasing in d | "
@@ -637,8 +640,9 @@ def write_readme(out, args, started, results):
         "computed by quadrature of the MP_δ Cauchy transform. **Correct.**",
         "- Sample outlier κρ(s + 1)(s + γ)/s², threshold s³ − (γ + δ + γδ)s − 2γδ > 0 and overlap "
         "[s³ − (γ + δ + γδ)s − 2γδ]/[s²(s + γ)]: equal to Bai-Yao's ψ map, its sign change of ψ' and the product of "
-        "the population overlap with ℓψ'(ℓ)/ψ(ℓ), checked by quadrature; δ = 0 gives BBP. **Correct**, and matched by "
-        "the simulations above.",
+        "the population overlap with ℓψ'(ℓ)/ψ(ℓ), checked by quadrature; δ = 0 gives BBP. **Correct**, "
+        + ("and matched by the simulations above." if results["outliers"]["holds"] and results["below"]["holds"] else
+           "though the simulations of this run do not match it within the criteria (see the table)."),
         "- The raw-table caveat (‖μ‖² → ‖μ‖² + δ) is right for the outlier *location* once the common noise mean is "
         "removed, but incomplete: the overlap with μ/‖μ‖ carries an extra factor ‖μ‖²/(‖μ‖² + δ), and the uncentred "
         "S of SPEC 3.1 has a second spike from the common noise mean (`raw_table.md`).",
@@ -667,7 +671,9 @@ def write_readme(out, args, started, results):
             + ("a single seed, no comparison." if not all(np.isfinite(e) for _, e in m["head_gaps"].values())
                else "no difference beyond two standard errors: no measurable gain from the RMT-optimal head on this "
                "task at this budget." if all(abs(g) <= 2 * e for g, e in m["head_gaps"].values())
-               else "at least one gap exceeds two standard errors."),
+               else "at least one gap exceeds two standard errors.")
+            + " This part trains in float32 on the CPU: on another CPU or BLAS library, which rounds differently, its "
+            "accuracies and gaps move by about the seeds' spread, so a gap within two standard errors may change sign.",
             "- Estimator of R̂ (`hf_spectral.rmt.models`): per-position signal = projection of the position-centred "
             "token states on the label direction (top singular vector of the state/label cross-covariance; the "
             "class-mean difference for two classes), R̂ = its second moment normalised to unit diagonal. Default "

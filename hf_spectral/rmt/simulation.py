@@ -80,12 +80,20 @@ def problem_sizes(dim: int, delta: float, gamma: float) -> tuple[int, int]:
     if not (np.isfinite(delta) and delta > 0 and np.isfinite(gamma) and gamma > 0):
         raise ValueError(f"delta and gamma must be positive and finite for a simulation, got {delta!r}, {gamma!r}")
     vocab = max(4, 2 * int(round(dim / delta / 2)))
-    return vocab, max(1, int(round(dim / gamma)))
+    n = max(1, int(round(dim / gamma)))
+    if abs(dim / vocab - delta) > 0.05 * delta or abs(dim / n - gamma) > 0.05 * gamma:
+        warnings.warn(
+            f"at d = {dim} the simulation runs δ = d/V = {dim / vocab:.4g}, γ = d/N = {dim / n:.4g}, not the "
+            f"δ = {delta:g}, γ = {gamma:g} asked for (V is rounded to an even integer ≥ 4, N to an integer ≥ 1): "
+            "raise dim for ratios this far from 1", stacklevel=2,
+        )
+    return vocab, n
 
 
 def mu_norm2_for_rho(rho: float, weights, correlation: PositionCorrelation, delta: float,
                      table: str = "class_centred") -> float:
     """‖μ‖² that gives ρ with these weights: ρκ/α, minus δ for a raw table (ValueError if that is negative)."""
+    rho = float(theory._check_rho(rho))
     snr = pooling_snr(weights, correlation.matrix)
     mu2 = rho / snr.ratio - (delta if table == "raw" else 0.0)
     if table not in ("class_centred", "raw"):
@@ -106,6 +114,8 @@ def simulate_spectrum(weights, correlation: PositionCorrelation, *, dim: int, de
     positions: with T fixed, weights concentrated on about one position (effective count κ²/Σ w_t⁴ below 2, e.g. a
     one-hot w) pool a single token per sequence, the sequences share those tokens sparsely, and the spectrum departs
     from MP_δ ⊠ MP_γ at any d (a top eigenvalue past the edge without signal). A warning says so."""
+    if isinstance(track, bool) or not isinstance(track, (int, np.integer)) or track < 1:
+        raise ValueError(f"track must be an integer >= 1 (the top eigenvectors to measure), got {track!r}")
     w = validate_weights(weights, correlation.length)
     effective_positions = float(np.sum(w**2) ** 2 / np.sum(w**4))
     if effective_positions < 2:

@@ -2,6 +2,7 @@
 Marchenko-Pastur law, Bai-Yao's map computed by quadrature) and against small seeded simulations."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -259,6 +260,19 @@ def test_below_the_population_threshold_the_top_eigenvalue_is_the_bulk_edge(delt
     assert population_overlap(0.9 * threshold, delta) == 0.0
     # continuous at the threshold: the outlier leaves the edge there
     assert population_outlier(threshold * (1 + 1e-9), delta) == pytest.approx(edge, rel=1e-6)
+
+
+def test_simulation_sizes_say_when_the_ratios_asked_for_cannot_be_met():
+    with pytest.warns(UserWarning, match=r"at d = 10 the simulation runs δ = d/V = 2\.5, γ = d/N = 10, not the "
+                                         r"δ = 100, γ = 10000"):
+        assert problem_sizes(10, 100.0, 1e4) == (4, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert problem_sizes(300, 2.0, 0.5) == (150, 600)
+    with pytest.raises(ValueError, match="track must be an integer >= 1"):
+        simulate_spectrum(WEIGHTS["causal"], PREFIX, dim=40, delta=0.5, gamma=0.5, mu_norm2=1.0, track=0)
+    with pytest.raises(ValueError, match="rho must be finite and >= 0"):
+        mu_norm2_for_rho(float("nan"), WEIGHTS["causal"], PREFIX, 0.5)
 
 
 def test_ks_distance_refuses_a_negative_count_to_exclude():
