@@ -52,6 +52,13 @@ def classifier_attention_mask(model_name: str, input_ids, inputs_embeds, attenti
     return None
 
 
+UNFITTED_MESSAGE = (
+    "this 'rmt_optimal' pooling head has no fitted weights; fit them with "
+    "hf_spectral.rmt.fit_rmt_pooling(model, train_dataloader) or install them with "
+    "model.pooling.set_position_weights(weights) before running the model"
+)
+
+
 class SequencePooling(nn.Module):
     """Pool (B, T, C) token states with a (B, T) padding mask into (B, C).
 
@@ -89,8 +96,11 @@ class SequencePooling(nn.Module):
     def _check_fitted(self) -> None:
         """Refuse an unfitted ``rmt_optimal`` head. The weights are read on the host when they are new or changed
         since the last check (installed, loaded, moved), not at every call: on a device each read would wait for
-        it. A compiled graph skips the check (it cannot raise on data); the eager calls before it make it."""
+        it. A compiled graph cannot read them: it asserts on the device instead (a RuntimeError on CPU, a
+        device-side assertion on a GPU)."""
         if torch.compiler.is_compiling():
+            if self.max_positions > 1:
+                torch._assert_async((self.position_weights != 1).any(), UNFITTED_MESSAGE)
             return
         weights = self.position_weights
         try:
@@ -101,11 +111,7 @@ class SequencePooling(nn.Module):
         if version is not None and checked is not None and checked[0] is weights and checked[1] == version:
             return
         if not self.is_fitted:
-            raise ValueError(
-                "this 'rmt_optimal' pooling head has no fitted weights; fit them with "
-                "hf_spectral.rmt.fit_rmt_pooling(model, train_dataloader) or install them with "
-                "model.pooling.set_position_weights(weights) before running the model"
-            )
+            raise ValueError(UNFITTED_MESSAGE)
         self._checked_weights = (weights, version)
 
     @contextmanager

@@ -15,6 +15,7 @@ from hf_spectral.ops.pooling import (
     pool_last,
     pool_weighted,
 )
+from tests.helpers import INDUCTOR_ISA_FORCED, INDUCTOR_SKIP_REASON
 
 
 def padded(batch=3, length=7, width=5, seed=0):
@@ -183,3 +184,14 @@ def test_a_sequence_longer_than_the_pooling_table_is_refused():
         SequencePooling("learned", 6)(hidden, mask)
     mask[:, :1] = 0  # 6 tokens in every row: a padded row may be longer than the table
     assert SequencePooling("learned", 6)(hidden, mask).shape == (3, 5)
+
+
+@pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
+def test_a_compiled_rmt_optimal_head_still_refuses_to_run_unfitted():
+    hidden, mask = padded()
+    pooling = SequencePooling("rmt_optimal", 8)
+    compiled = torch.compile(pooling, fullgraph=True, dynamic=False)  # one graph: the check cannot read the weights
+    with pytest.raises(RuntimeError, match="no fitted weights"):
+        compiled(hidden, mask)
+    pooling.set_position_weights(torch.arange(7.0))
+    torch.testing.assert_close(compiled(hidden, mask), pooling(hidden, mask))
