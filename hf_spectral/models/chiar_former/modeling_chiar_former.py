@@ -64,7 +64,6 @@ from ...ops.positions import (
     padding_of_causal_mask,
     token_positions,
 )
-from ...ops.precision import full_precision
 from ...ops.remote_code import save_pretrained_with_code
 from ...ops.random_features import (
     authors_rbf_mixing,
@@ -560,13 +559,12 @@ class ChiarLayer(GradientCheckpointingLayer):
 
     def _routed(self, states: torch.Tensor, context: dict):
         dct_output = None
-        with full_precision(states):  # the spectrum decides the routes: not rounded to 16 bits by autocast
-            if self.dct is not None:
-                dct_output, spectrum = self.dct(states, return_spectrum=True)
-            elif self.dct_implementation == "matrix":
-                spectrum, _ = dct_even_odd(states)
-            else:
-                spectrum = dct(states, self.dct_implementation)
+        if self.dct is not None:
+            dct_output, spectrum = self.dct(states, return_spectrum=True)
+        elif self.dct_implementation == "matrix":
+            spectrum, _ = dct_even_odd(states)
+        else:
+            spectrum = dct(states, self.dct_implementation)
         # Threshold routes are piecewise constant in the entropy: no gradient to carry.
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.router.proj is not None):
             entropy = spectral_entropy_from_spectrum(spectrum)
