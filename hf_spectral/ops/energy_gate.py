@@ -287,7 +287,7 @@ def morlet_kernels(omega: torch.Tensor, sigma: torch.Tensor, lengths: list[int])
 
 
 def daubechies_kernels(wavelet: str, dilations: list[int]) -> torch.Tensor:
-    """Decomposition high-pass taps of ``wavelet`` (PyWavelets) dilated by each factor: (S, max length)."""
+    """Decomposition high-pass taps of ``wavelet`` (PyWavelets) dilated by each factor: (S, max length), float64."""
     try:
         import pywt
     except ImportError as error:
@@ -300,7 +300,7 @@ def daubechies_kernels(wavelet: str, dilations: list[int]) -> torch.Tensor:
     kernels = torch.zeros(len(dilations), length, dtype=torch.float64)
     for row, dilation in enumerate(dilations):
         kernels[row, : (len(taps) - 1) * dilation + 1 : dilation] = taps
-    return kernels.float()
+    return kernels
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -431,11 +431,19 @@ class DaubechiesEnergy(_SignalEnergy):
         self.num_heads, self.num_scales = num_heads, len(dilations)
         self.wavelet, self.dilations = wavelet, list(dilations)
         # Not saved (fixed by the config): a model built on the meta device refills it in `_init_weights`.
-        self.register_buffer("taps", self.initial_taps(), persistent=False)
+        self.register_buffer("taps", self.initial_taps().to(torch.get_default_dtype()), persistent=False)
         self.history = self.taps.shape[-1] - 1
 
     def initial_taps(self) -> torch.Tensor:
+        """The taps in float64, as PyWavelets gives them (cast once to the buffer's dtype)."""
         return daubechies_kernels(self.wavelet, self.dilations)
+
+    def _apply(self, fn, recurse=True):
+        # A cast (``.double()``, ``.to(dtype)``) derives the taps again from PyWavelets' float64 values, so that a
+        # float32 model turned float64 does not keep float32-rounded filters.
+        super()._apply(fn, recurse)
+        self.taps = self.initial_taps().to(device=self.taps.device, dtype=self.taps.dtype)
+        return self
 
     def kernels(self):
         return self.taps[None, :, None, :]  # (1, S, 1, L): the same filters for every head

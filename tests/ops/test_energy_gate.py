@@ -9,6 +9,7 @@ import pywt
 import torch
 
 from hf_spectral.ops.energy_gate import (
+    DaubechiesEnergy,
     EnergyGate,
     causal_filter,
     causal_zscore,
@@ -212,6 +213,15 @@ def test_daubechies_kernels_are_dilated_pywavelets_high_pass_taps():
         expected = np.zeros(kernels.shape[1])
         expected[: (len(taps) - 1) * dilation + 1 : dilation] = taps
         np.testing.assert_allclose(kernels[row].numpy(), expected, rtol=1e-6)
+
+
+def test_daubechies_taps_keep_pywavelets_precision_in_every_dtype():
+    energy = DaubechiesEnergy(2, "db4", [1, 2])
+    exact = daubechies_kernels("db4", [1, 2])
+    assert exact.dtype == torch.float64 and energy.taps.dtype == torch.float32
+    assert torch.equal(energy.double().taps, exact)  # derived again, not float32-rounded then widened
+    assert torch.equal(energy.to(torch.bfloat16).taps, exact.to(torch.bfloat16))
+    assert not energy.taps.is_inference() and "taps" not in energy.state_dict()
 
 
 def test_default_scales_per_energy_kind_and_both_configs_use_them():
