@@ -223,6 +223,23 @@ def test_gated_attention_accepts_positional_arguments(tmp_path):
     assert torch.equal(by_name, by_position)
 
 
+def test_the_padding_mask_reaches_the_gates_when_given_by_position(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
+    add_energy_gates(model)
+    randomise_gates(model)
+    ids, mask, _ = padded_batch()
+    with torch.no_grad():
+        by_name = model.transformer(ids, attention_mask=mask).last_hidden_state
+        by_position = model.transformer(ids, None, mask).last_hidden_state  # (input_ids, cache, attention_mask)
+    assert torch.equal(by_position * mask[..., None], by_name * mask[..., None])
+
+
+def test_only_the_layers_asked_for_are_gated(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g"))
+    add_energy_gates(model, EnergyGateConfig(layers=[1]))
+    assert [hasattr(layer.attn, "energy_gate") for layer in model.transformer.h] == [False, True]
+
+
 def test_sequence_classification_head_is_supported(tmp_path):
     model = GPT2ForSequenceClassification.from_pretrained(gpt2_checkpoint(tmp_path / "cls", head="cls")).eval()
     ids, mask, positions = padded_batch()
@@ -373,6 +390,8 @@ def test_remove_energy_gates_restores_the_stock_model(tmp_path):
     remove_energy_gates(model)
     assert type(model) is GPT2LMHeadModel and type(model.config) is GPT2Config
     assert not hasattr(model.config, "energy_gates") and not has_energy_gates(model)
+    # the attention modules read the model's own config again (not a view that names the gated backend)
+    assert all(layer.attn.config is model.config for layer in model.transformer.h)
     assert torch.equal(logits(model, ids, mask, positions), before)
     model.save_pretrained(tmp_path / "stock")
     assert json.loads((tmp_path / "stock" / "config.json").read_text())["model_type"] == "gpt2"

@@ -390,6 +390,28 @@ def test_usage_entropy_regulariser_is_added_to_the_loss():
     assert half.loss.item() == pytest.approx(out.loss.item() / 2, rel=1e-5)
 
 
+def test_the_losses_are_the_cross_entropy_plus_the_regulariser():
+    """Without the regulariser the LM loss is the next-token cross-entropy; a classifier adds the regulariser too."""
+    ids = random_ids(2, 16, seed=7)
+    padded, mask = _left_padded(ids, [0, 4])
+    labels = padded.masked_fill(mask == 0, -100)
+    lm = build(ChiarForCausalLM, tiny_config(router_type="hard", routed_operators=["dct", "rbf", "attention"]))
+    with torch.no_grad():
+        out = lm(padded, attention_mask=mask, labels=labels)
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    torch.testing.assert_close(out.loss, expected)
+
+    config = tiny_config(num_labels=3, router_type="hard", routed_operators=["dct", "rbf", "attention"],
+                         router_usage_entropy_weight=0.5)
+    classifier = build(ChiarForSequenceClassification, config)
+    targets = torch.tensor([0, 2])
+    with torch.no_grad():
+        out = classifier(padded, attention_mask=mask, labels=targets, output_routing=True)
+    assert out.aux_loss.item() > 0
+    expected = torch.nn.functional.cross_entropy(out.logits, targets) + out.aux_loss
+    torch.testing.assert_close(out.loss, expected)
+
+
 # --- causality -------------------------------------------------------------------------------------------------
 
 
@@ -417,6 +439,18 @@ def test_bidirectional_encoder_reads_future_tokens(rbf_variant):
     out = model(ids).last_hidden_state
     changed = model(perturb_after(ids, 6, VOCAB)).last_hidden_state
     assert not torch.allclose(changed[:, :7], out[:, :7])
+
+
+@pytest.mark.parametrize("operator", ["attention", "rbf"])
+def test_every_token_mixing_operator_of_an_encoder_reads_future_tokens(operator):
+    # (DCT mixing acts within each token's state: it reads no other token in either direction)
+    ids = random_ids(2, 12, seed=9)
+    config = tiny_config(is_causal=False, layer_operators=[operator, operator], num_hidden_layers=2)
+    model = build(ChiarModel, config)
+    with torch.no_grad():
+        out = model(ids).last_hidden_state
+        changed = model(perturb_after(ids, 10, VOCAB)).last_hidden_state
+    assert (changed[:, :11] - out[:, :11]).abs().amax(-1).min() > 1e-5  # every earlier position moves
 
 
 def test_encoder_cannot_be_a_causal_lm_or_take_a_cache():
@@ -685,6 +719,17 @@ def test_flop_counter_counts_causal_attention_pairs_and_the_lm_head():
     assert counted["ffn"] == 4 * tokens * d * 64
     assert counted["lm_head"] == 2 * tokens * d * VOCAB
     assert counted["total"] == counted["attention"] + counted["ffn"] + counted["lm_head"]
+
+
+def test_flop_counter_counts_the_keys_each_query_sees_after_padding_and_a_cache():
+    config = tiny_config(layer_operators=["attention"], num_hidden_layers=1)
+    d = 32
+    # a padding query attends to its own slot (SDPA needs one key per row); tokens see the tokens up to them
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    counted = count_flops(config, batch_size=2, seq_len=6, attention_mask=mask)
+    assert counted["attention_core"] == 4 * d * ((1 + 1 + 1 + 2 + 3 + 4) + sum(range(1, 7)))
+    # after 10 cached tokens the 4 new ones see 11, 12, 13 and 14 keys
+    assert count_flops(config, batch_size=1, seq_len=4, past_length=10)["attention_core"] == 4 * d * (11 + 12 + 13 + 14)
 
 
 def test_flop_counter_attention_falls_with_the_routed_fraction():

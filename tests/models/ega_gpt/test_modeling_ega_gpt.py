@@ -249,12 +249,24 @@ def test_a_loss_builds_no_cache_unless_asked():
     assert model(ids).cache.get_seq_length() == ids.shape[1]
 
 
-def test_left_padding_does_not_change_a_sequence():
-    model = tiny_model("EGA-C")
+def test_the_loss_is_the_next_token_cross_entropy():
+    model = tiny_model("EGA-1")
+    ids, mask = padded_batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, labels=labels)
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    torch.testing.assert_close(out.loss, expected)
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])  # the two paths of a gated layer
+@pytest.mark.parametrize("variant", ["EGA-1", "EGA-C", "EGA-M"])
+def test_left_padding_does_not_change_a_sequence(variant, use_cache):
+    model = tiny_model(variant)
     ids, mask = padded_batch()
     with torch.no_grad():
-        batched = model(ids, attention_mask=mask).logits
-        alone = model(ids[:1, 5:]).logits
+        batched = model(ids, attention_mask=mask, use_cache=use_cache).logits
+        alone = model(ids[:1, 5:], use_cache=use_cache).logits
     torch.testing.assert_close(batched[:1, 5:], alone, atol=1e-5, rtol=0)
 
 
