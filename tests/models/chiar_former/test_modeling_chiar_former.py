@@ -121,6 +121,20 @@ def test_per_layer_calibration_hits_the_percentile_in_every_routed_layer():
         assert fractions[1].item() == pytest.approx(0.25, abs=1.5 / ids.numel())
 
 
+def test_calibration_measures_the_tokens_and_not_the_padding():
+    """Left padding changes neither a causal model's entropies at the tokens nor, therefore, the thresholds."""
+    from hf_spectral.models.chiar_former.calibration import measure_entropies
+
+    ids = random_ids(2, 16, seed=4)
+    padded, mask = _left_padded(ids, [6, 0])
+    model = build(ChiarForCausalLM, tiny_config(num_hidden_layers=3))
+    plain = measure_entropies(model, [ids[:1, 6:], ids[1:]])
+    batch = measure_entropies(model, [{"input_ids": padded, "attention_mask": mask}])
+    for alone, together in zip(plain, batch):
+        assert together.numel() == alone.numel() == 10 + 16
+        torch.testing.assert_close(together.sort().values, alone.sort().values, atol=1e-5, rtol=0)
+
+
 def test_shared_calibration_hits_the_pooled_percentile_whatever_the_thresholds_before():
     """The entropies of the routed layers after the first depend on the thresholds being set: the shared calibration
     repeats its pass until the thresholds reproduce themselves (one pass had left the pooled share at the
