@@ -430,6 +430,38 @@ def test_an_import_that_cannot_be_flattened_is_named(tmp_path):
             flatten_imports(bad)
 
 
+def test_two_different_needed_files_of_one_name_are_refused(tmp_path, monkeypatch):
+    """The saved code is flat: two needed files named helper.py would be one file, and the other's code lost."""
+    import importlib.util
+
+    def config_importing(package: Path, first: str, second: str):
+        (package / "a").mkdir(parents=True)
+        (package / "b").mkdir()
+        (package / "a" / "helper.py").write_text(first)
+        (package / "b" / "helper.py").write_text(second)
+        source = package / "a" / "configuration_dup.py"
+        # the imports sit in a function that never runs: only the file's text matters to the copy
+        source.write_text("from transformers import PreTrainedConfig\n\n\nclass DupConfig(PreTrainedConfig):\n"
+                          "    model_type = 'dup_name'\n\n\ndef helpers():\n"
+                          "    from .helper import X\n    from ..b.helper import Y\n")
+        name = f"_dup_name_{package.name}"
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, source))
+        monkeypatch.setitem(sys.modules, name, module)
+        module.__spec__.loader.exec_module(module)
+        config = module.DupConfig()
+        config.save_pretrained(package / "saved")
+        return config, package / "saved"
+
+    config, saved = config_importing(tmp_path / "same", "X = Y = 1\n", "X = Y = 1\n")
+    save_model_code(config, saved)  # two copies of one file (as from two module caches): saved once
+    assert sorted(path.name for path in saved.glob("*.py")) == ["configuration_dup.py", "helper.py"]
+
+    config, saved = config_importing(tmp_path / "differ", "X = 1\n", "Y = 2\n")
+    with pytest.raises(RemoteCodeError, match="two different files .* same name 'helper.py'"):
+        save_model_code(config, saved)
+    assert not list(saved.glob("*.py"))  # nothing written when it refuses
+
+
 def test_an_interrupted_save_leaves_the_previous_files_whole(tmp_path, monkeypatch):
     model = EGAForCausalLM(FAMILIES["ega_gpt"][0](40, None))
     model.save_pretrained(tmp_path)

@@ -164,6 +164,29 @@ def test_plain_peft_loading_onto_a_model_without_gates_restores_them(tmp_path):
     torch.testing.assert_close(logits(explicit, ids, mask), expected, atol=1e-6, rtol=0)
 
 
+def test_every_named_adapter_folder_records_the_gate_config_and_loads_alone(tmp_path):
+    """PEFT saves an adapter other than "default" in a subfolder named after it: that folder needs the gate config
+    too, or the adapter loaded from it onto a model without gates would lose its trained gates."""
+    base_path = gpt2_checkpoint(tmp_path / "base")
+    gate_config = EnergyGateConfig(alpha_init=0.5, layers=[1])
+    model = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path), gate_config)
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, modules_to_save=["energy_gate"])
+    peft_model = get_peft_model(model, lora)
+    train_steps(peft_model)
+    peft_model.add_adapter("other", lora)
+    peft_model.set_adapter("other")
+    train_steps(peft_model, steps=5)
+    ids, mask = batch()
+    expected = logits(peft_model, ids, mask)
+    peft_model.save_pretrained(tmp_path / "adapters")
+    for folder in (tmp_path / "adapters", tmp_path / "adapters" / "other"):
+        assert EnergyGateConfig.from_pretrained(folder) == gate_config, folder
+    fresh = AutoModelForCausalLM.from_pretrained(base_path)
+    restored = PeftModel.from_pretrained(fresh, tmp_path / "adapters" / "other").eval()
+    assert has_energy_gates(restored.get_base_model())
+    torch.testing.assert_close(logits(restored, ids, mask), expected, atol=1e-6, rtol=0)
+
+
 def test_transformers_load_adapter_restores_the_gates_too(tmp_path):
     base_path, adapter, expected = trained_gated_adapter(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(base_path)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from training.common.classification import split_accuracy
 from training.common.trainer import lm_compute_metrics, load_metric, token_nll
 
 
@@ -41,6 +42,19 @@ def test_token_nll_matches_the_model_loss():
     assert nll.mean().item() == pytest.approx(expected.item(), rel=1e-6)
 
 
+def test_token_nll_marks_ignored_labels_and_averages_the_others_as_the_model_loss():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 7, 11), torch.randint(0, 11, (3, 7))
+    labels[0, :4] = -100  # e.g. a left-padded row
+    labels[2, 5] = -100
+    nll = token_nll(logits, labels)
+    ignored = labels[:, 1:] == -100  # token_nll scores the next token: position t of nll is labels[:, t + 1]
+    assert ignored.any() and (~ignored).any()
+    assert torch.equal(nll[ignored], torch.full((int(ignored.sum()),), -1.0))
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1), ignore_index=-100)
+    assert nll[~ignored].mean().item() == pytest.approx(expected.item(), rel=1e-6)
+
+
 def test_compute_metrics_ignores_padded_positions():
     class Prediction:
         predictions = np.array([[math.log(2), -1.0], [math.log(2), math.log(2)]])
@@ -51,3 +65,24 @@ def test_compute_metrics_ignores_padded_positions():
 def test_unknown_metric_module_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="no metric module"):
         load_metric("accuracy")
+
+
+def test_split_accuracy_per_group_reads_the_groups_of_the_predicted_rows():
+    """split_accuracy predicts on the dataset sorted by length: the groups must be read in that order too."""
+    import datasets
+    from transformers.trainer_utils import PredictionOutput
+
+    class RightOnlyAtDepthOne:
+        def predict(self, dataset, metric_key_prefix="test"):
+            labels = np.asarray(dataset["labels"])
+            chosen = np.where(np.asarray(dataset["depth"]) == 1, labels, (labels + 1) % 10)
+            return PredictionOutput(predictions=np.eye(10)[chosen], label_ids=labels, metrics={})
+
+    depth = [1, 2, 1, 3, 2, 1]
+    lengths = [5, 1, 4, 2, 3, 6]  # not in order: sorting by length moves the depth-1 rows to the end
+    dataset = datasets.Dataset.from_dict({"input_ids": [[7] * n for n in lengths], "labels": [3, 1, 4, 1, 5, 9],
+                                          "depth": depth})
+    result = split_accuracy(RightOnlyAtDepthOne(), dataset, group_column="depth")
+    assert result["accuracy"] == pytest.approx(depth.count(1) / len(depth))
+    assert result["per_depth"] == {"1": {"accuracy": 1.0, "examples": 3}, "2": {"accuracy": 0.0, "examples": 2},
+                                   "3": {"accuracy": 0.0, "examples": 1}}
