@@ -29,6 +29,7 @@ from transformers import (
 )
 
 import hf_spectral  # noqa: F401  (registers the energy-gated model types)
+from hf_spectral.ops import gated_attention
 from hf_spectral.retrofit import (
     EnergyGateConfig,
     add_energy_gates,
@@ -116,8 +117,12 @@ def test_fresh_gates_leave_logits_and_generation_exactly_unchanged(family, backe
     assert (logits(model, ids, mask, positions) - before).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("head_alignment", [1, 8], ids=["cpu-head", "cuda-head"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_gated_model_is_causal_and_its_cache_matches_the_forward(family, tmp_path):
+def test_gated_model_is_causal_and_its_cache_matches_the_forward(family, head_alignment, tmp_path, monkeypatch):
+    # CUDA pads the folded head to a multiple of 8 channels (run here on the CPU): the cache then holds zeros after
+    # the conv gate's filter history
+    monkeypatch.setattr(gated_attention, "fused_kernel_alignment", lambda device: head_alignment)
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINTS[family](tmp_path / family)).eval()
     add_energy_gates(model, EnergyGateConfig(energy_kind="conv", scales=[3, 5]))
     randomise_gates(model)
