@@ -78,13 +78,15 @@ def _roots(coefficients):
 
     Rows with a cubic coefficient go through one batched companion-matrix eigenvalue call, quadratics (δγ = 0: the
     Marchenko-Pastur equation) through the quadratic formula, the rest (x = 0) through ``np.roots``. A cubic
-    coefficient below 1e-12 of the others (δγ → 0) counts as 0: its third root, of size ~1/(δγx), carries no mass,
-    and in the companion matrix it would swamp the other two with its round-off.
+    coefficient with |a₃| < 1e-10 a₂² counts as 0 (δγ → 0; the ratio δγ/(γ + δ − 2γδ)² does not depend on x): its
+    third root, of size ~1/(δγx), carries no mass, and in the companion matrix it would swamp the other two with its
+    round-off. (A test relative to all the coefficients would also drop the cubic near x = 0, where an atom at 0
+    makes every root grow like 1/x.)
     """
     coefficients = np.asarray(coefficients, dtype=complex)
     flat = coefficients.reshape(-1, 4)
     out = np.full((flat.shape[0], 3), np.nan + 0j)
-    cubic = np.abs(flat[:, 0]) > np.maximum(1e-12 * np.abs(flat[:, 1:]).max(axis=1), 1e-300)
+    cubic = np.abs(flat[:, 0]) > np.maximum(1e-10 * np.abs(flat[:, 1]) ** 2, 1e-300)
     if cubic.any():
         monic = flat[cubic, 1:] / flat[cubic, :1]
         companion = np.zeros((monic.shape[0], 3, 3), dtype=complex)

@@ -184,6 +184,16 @@ def test_a_vanishing_ratio_gives_the_marchenko_pastur_limit(tiny):
         assert bulk_cdf(delta, gamma).continuous_mass == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.parametrize("delta, gamma", [(2.0, 2.0), (1.5, 1.5)])
+def test_next_to_an_atom_at_zero_the_transform_is_the_atoms(delta, gamma):
+    # with an atom at 0 every root grows like 1/x as x → 0: the cubic must stay a cubic there
+    atom = bulk_atom_at_zero(delta, gamma)
+    z = np.array([1e-7 + 1e-8j, 1e-6 + 1e-9j])
+    np.testing.assert_allclose(stieltjes_transform(z, delta, gamma), -atom / z, rtol=0.02)
+    assert bulk_cdf(delta, gamma, points=40001).continuous_mass == pytest.approx(1 - atom, abs=1e-4)
+    assert (bulk_density(np.array([1e-9, 1e-7]), delta, gamma) > 100).all()  # the hard edge's x^(-1/2)
+
+
 def test_bulk_cdf_reports_its_mass():
     assert bulk_cdf(0.5, 0.5).continuous_mass == pytest.approx(1.0, abs=1e-3)
     assert bulk_cdf(2.0, 0.5)(0.0) == pytest.approx(0.5)
