@@ -440,9 +440,11 @@ class DaubechiesEnergy(_SignalEnergy):
 
     def _apply(self, fn, recurse=True):
         # A cast (``.double()``, ``.to(dtype)``) derives the taps again from PyWavelets' float64 values, so that a
-        # float32 model turned float64 does not keep float32-rounded filters.
+        # float32 model turned float64 does not keep float32-rounded filters. A call that changed nothing keeps them.
+        before = self.taps
         super()._apply(fn, recurse)
-        self.taps = self.initial_taps().to(device=self.taps.device, dtype=self.taps.dtype)
+        if self.taps is not before:
+            self.taps = self.initial_taps().to(device=self.taps.device, dtype=self.taps.dtype)
         return self
 
     def kernels(self):

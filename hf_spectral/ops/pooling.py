@@ -4,6 +4,7 @@ Shared by every hf_spectral model (a saved checkpoint carries a copy next to its
 finds it). Position t below is the t-th *real* token of a sequence, so left and right padding pool alike.
 """
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -84,7 +85,8 @@ class SequencePooling(nn.Module):
             # All ones marks the unfitted head (see the class docstring); saved with the model once fitted.
             self.register_buffer("position_weights", torch.ones(max_positions))
         self._allow_unfitted = False
-        self._checked_weights = None  # (the weight tensor, its version) last found fitted: read once, not per call
+        # (a weak reference to the weight tensor, its version) last found fitted: read once, not per call
+        self._checked_weights = None
 
     @property
     def is_fitted(self) -> bool:
@@ -108,11 +110,15 @@ class SequencePooling(nn.Module):
         except RuntimeError:  # a tensor made under inference_mode keeps no version counter: check at every call
             version = None
         checked = self._checked_weights
-        if version is not None and checked is not None and checked[0] is weights and checked[1] == version:
+        if version is not None and checked is not None and checked[0]() is weights and checked[1] == version:
             return
         if not self.is_fitted:
             raise ValueError(UNFITTED_MESSAGE)
-        self._checked_weights = (weights, version)
+        self._checked_weights = (weakref.ref(weights), version)
+
+    def __getstate__(self):
+        # pickling (torch.save(model)) carries no record of the check: a loaded head checks its weights again
+        return {**super().__getstate__(), "_checked_weights": None}
 
     @contextmanager
     def unfitted_allowed(self):

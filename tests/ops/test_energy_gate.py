@@ -222,6 +222,11 @@ def test_daubechies_taps_keep_pywavelets_precision_in_every_dtype():
     assert torch.equal(energy.double().taps, exact)  # derived again, not float32-rounded then widened
     assert torch.equal(energy.to(torch.bfloat16).taps, exact.to(torch.bfloat16))
     assert not energy.taps.is_inference() and "taps" not in energy.state_dict()
+    with torch.inference_mode():  # a move that changes nothing keeps the buffer (no inference tensor made)
+        energy.to("cpu")
+    assert not energy.taps.is_inference()
+    energy.to_empty(device="cpu")  # new, uninitialised storage: the taps are derived again
+    assert torch.equal(energy.taps, exact.to(torch.bfloat16))
 
 
 def test_default_scales_per_energy_kind_and_both_configs_use_them():

@@ -195,3 +195,21 @@ def test_a_compiled_rmt_optimal_head_still_refuses_to_run_unfitted():
         compiled(hidden, mask)
     pooling.set_position_weights(torch.arange(7.0))
     torch.testing.assert_close(compiled(hidden, mask), pooling(hidden, mask))
+
+
+def test_a_pickled_or_copied_head_keeps_no_record_of_the_check_and_checks_again(tmp_path):
+    import copy
+    import pickle
+
+    pooling = SequencePooling("rmt_optimal", 7)
+    pooling.set_position_weights(torch.arange(7.0))
+    hidden, mask = padded()
+    expected = pooling(hidden, mask)
+    assert pooling._checked_weights is not None
+    for other in (pickle.loads(pickle.dumps(pooling)), copy.deepcopy(pooling)):
+        assert other._checked_weights is None
+        torch.testing.assert_close(other(hidden, mask), expected)
+        with torch.no_grad():
+            other.position_weights.fill_(1.0)
+        with pytest.raises(ValueError, match="no fitted weights"):
+            other(hidden, mask)
