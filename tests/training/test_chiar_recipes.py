@@ -444,3 +444,11 @@ def test_a_routed_run_trains_data_parallel_under_torchrun(wikitext_run, tmp_path
     summary = _summary(tmp_path / "threshold-seed0")
     assert summary["thresholds"] and len(summary["calibration"]) == summary["steps"]  # at 0 and every step but the last
     assert result.stdout.count("thresholds calibrated on 1 training batches") == 1  # said once, by the main process
+
+
+def test_words_are_counted_as_wikitext_counts_them():
+    assert wikitext.count_words("a b\nc\n") == 5  # three words and two end-of-line tokens
+    from .conftest import shared_file
+
+    test_split = open(shared_file("wikitext-2", "test.txt"), encoding="utf-8").read()
+    assert wikitext.count_words(test_split) == 245_569  # the published size of WikiText-2's test set

@@ -89,6 +89,13 @@ def test_bits_per_char_accounting_counts_characters_per_token(tmp_path):
     assert data.chars_per_token("validation") == pytest.approx(len(text) / (7 * 50))
 
 
+def test_a_held_out_split_counts_its_own_characters(tmp_path):
+    text = "abcdefghij" * 100  # one character per token: each split has as many characters as tokens
+    data = build_lm_data({"train": text}, char_tokenizer({"train": text}, str(tmp_path)), 8, validation_fraction=0.1)
+    assert data.characters == {"train": 900, "validation": 100}
+    assert data.chars_per_token("train") == data.chars_per_token("validation") == 1.0
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Where the text comes from
 # ------------------------------------------------------------------------------------------------------------
@@ -187,6 +194,20 @@ def test_ptb_char_files_are_derived_from_the_downloaded_word_files(clean_environ
 def test_ptb_word_to_char_rule_reproduces_the_published_file():
     words = open(shared_file("ptb", "ptb.valid.txt"), encoding="utf-8").read()
     assert ptb_char.word_to_char(words) == open(shared_file("ptb", "ptb.char.valid.txt"), encoding="utf-8").read()
+
+
+def test_ptb_from_the_hub_gets_the_character_rule_before_the_tokenizer(monkeypatch, tmp_path):
+    import argparse
+
+    words = {"train": "the company said\n", "validation": "it said\n", "test": "no\n"}
+    monkeypatch.setattr(ptb_char, "load_corpus_texts", lambda *args, **kwargs: dict(words))
+    seen = {}
+    monkeypatch.setattr(ptb_char, "build_lm_data", lambda texts, tokenizer, block: seen.update(texts))
+    args = argparse.Namespace(data_path=None, dataset_name="ptb_text_only", dataset_config=None, text_column="sentence",
+                              no_download=True, char_format="file")
+    ptb_char.load_data(args, argparse.Namespace(context_length=8), str(tmp_path))
+    assert seen == {split: ptb_char.word_to_char(text) for split, text in words.items()}
+    assert seen["train"] != words["train"]
 
 
 def test_joined_ptb_format_drops_only_the_separator_spaces():

@@ -105,3 +105,16 @@ def test_command_line_generate_and_check(tmp_path, capsys):
     wrong.write_text("1\t[MAX 2 9 ]\n", encoding="utf-8")
     assert listops_data.main(["check", str(wrong)]) == 1
     assert "1 label mismatches" in capsys.readouterr().out
+
+
+def test_lra_lengths_are_strictly_between_500_and_2000():
+    setting = listops_data.SETTINGS["lra"]
+    assert (setting.min_length, setting.max_length) == (500, 2000)
+
+    def tree_of(length):  # a flat tree of `length` tokens: "[SM", the digits, "]"
+        tree = ("[SM", [0] * (length - 2))
+        assert listops_data.tree_length(tree) == length
+        return tree
+
+    accepted = {length: listops_data._accepted(tree_of(length), setting) for length in (500, 501, 1999, 2000)}
+    assert accepted == {500: False, 501: True, 1999: True, 2000: False}
