@@ -277,3 +277,27 @@ def test_retrofit_and_gate_files_have_the_umasks_permissions(tiny_gpt2, tmp_path
     assert all(mode == 0o755 if (tmp_path / "dst" / name).is_dir() else mode == 0o644 for name, mode in modes.items()), modes
     assert stat.S_IMODE(os.stat(gates).st_mode) == 0o644
     assert json.loads((tmp_path / "dst" / "config.json").read_text())["energy_gates"]["layers"] == [0]
+
+
+def test_train_returns_the_recipes_exit_status(tmp_path, capsys):
+    """A recipe that fails (here: no corpus at --data_path) makes `hf-spectral train` fail with its status."""
+    assert main(["train", "tinyshakespeare", "--smoke", "--data_path", "/nonexistent/input.txt", "--no_download",
+                 "--output_dir", str(tmp_path / "out")]) == 2
+    assert "/nonexistent/input.txt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "options, values",
+    [
+        (["--energy-kind", "linear", "--projections", "2"], {"energy_kind": "linear", "projections": 2}),
+        (["--energy-kind", "conv", "--scales", "3,5"], {"energy_kind": "conv", "scales": [3, 5]}),
+    ],
+)
+def test_retrofit_writes_every_gate_option_into_the_config(tiny_gpt2, tmp_path, options, values):
+    from hf_spectral.retrofit import EnergyGateConfig
+
+    common = ["--normalization", "none", "--layers", "1", "--heads", "0,2", "--tau-init", "0.25", "--alpha-init", "0.5"]
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst")] + options + common) == 0
+    saved = json.loads((tmp_path / "dst" / "config.json").read_text())["energy_gates"]
+    expected = EnergyGateConfig(normalization="none", layers=[1], heads=[0, 2], tau_init=0.25, alpha_init=0.5, **values)
+    assert EnergyGateConfig.from_dict(saved) == expected

@@ -34,3 +34,19 @@ def test_trainer_label_smoothing_shifts_the_labels_of_every_causal_lm(name, tmp_
     shifted = smoother({"logits": logits}, ids, shift_labels=True)
     assert not torch.allclose(shifted, smoother({"logits": logits}, ids))  # the two objectives differ here
     torch.testing.assert_close(loss, shifted)
+
+
+@pytest.mark.parametrize("config_class", [EGAConfig, ChiarConfig], ids=["ega", "chiar"])
+def test_auto_tokenizer_finds_the_char_tokenizer_from_the_config_alone(config_class, tmp_path):
+    """A folder with config.json and the vocabulary but no tokenizer_config.json: AutoTokenizer picks the tokenizer
+    class from the config's type, which import hf_spectral registers for both model types."""
+    from transformers import AutoTokenizer
+
+    from hf_spectral import CharTokenizer
+
+    config_class(vocab_size=40).save_pretrained(tmp_path)
+    CharTokenizer.from_text("abc", str(tmp_path))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("tokenizer")]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(tokenizer) is CharTokenizer
+    assert tokenizer("cab")["input_ids"] == [2, 0, 1]
