@@ -91,9 +91,13 @@ class SequencePooling(nn.Module):
     @property
     def is_fitted(self) -> bool:
         """False for an ``rmt_optimal`` head whose weights were never installed (always True in other modes)."""
-        if self.mode != "rmt_optimal" or self.max_positions == 1:
-            return True
-        return not bool((self.position_weights == 1).all())
+        return self.mode != "rmt_optimal" or bool(self._fitted())
+
+    def _fitted(self) -> torch.Tensor:
+        """Whether the ``rmt_optimal`` weights were installed, as a 0-dim bool tensor on their device."""
+        if self.max_positions == 1:  # one position: any weight pools it alike, so the table counts as fitted
+            return torch.ones((), dtype=torch.bool, device=self.position_weights.device)
+        return (self.position_weights != 1).any()
 
     def _check_fitted(self) -> None:
         """Refuse an unfitted ``rmt_optimal`` head. The weights are read on the host when they are new or changed
@@ -101,8 +105,7 @@ class SequencePooling(nn.Module):
         it. A compiled graph cannot read them: it asserts on the device instead (a RuntimeError on CPU, a
         device-side assertion on a GPU)."""
         if torch.compiler.is_compiling():
-            if self.max_positions > 1:
-                torch._assert_async((self.position_weights != 1).any(), UNFITTED_MESSAGE)
+            torch._assert_async(self._fitted(), UNFITTED_MESSAGE)
             return
         weights = self.position_weights
         try:

@@ -98,10 +98,8 @@ def mu_norm2_for_rho(rho: float, weights, correlation: PositionCorrelation, delt
     mu2 = rho / snr.ratio - (delta if table == "raw" else 0.0)
     if table not in ("class_centred", "raw"):
         raise ValueError(f"table must be 'class_centred' or 'raw', got {table!r}")
-    if mu2 < 0 and table == "raw":
+    if mu2 < 0:  # only a raw table's (ρ ≥ 0 is checked above)
         raise ValueError(f"rho = {rho} is below the raw table's floor α/κ·δ = {snr.ratio * delta:.4g}")
-    if mu2 < 0:
-        raise ValueError(f"rho must be >= 0, got {rho}")
     return float(mu2)
 
 
