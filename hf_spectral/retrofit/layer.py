@@ -36,6 +36,7 @@ from ..ops.gated_attention import (
 )
 
 GATED_PREFIX = "energy_gated_"
+TOKEN_MASK_KEYWORD = "energy_gate_token_mask"  # the decoder's padding mask, on its way to the gated attention calls
 
 
 def _gated_attention_function(backend: str):
@@ -115,9 +116,10 @@ class GatedKVCache:
 
 
 class EnergyGatedAttentionMixin:
-    """Mixed into a stock attention class (see the module docstring). Expects ``energy_gate``,
-    ``energy_gate_heads`` (indices of the gated key/value heads, ``None`` for all) and ``energy_gate_token_mask``
-    (the model-level 2D padding mask, set by a hook on the decoder before each forward)."""
+    """Mixed into a stock attention class (see the module docstring). Expects ``energy_gate`` and
+    ``energy_gate_heads`` (indices of the gated key/value heads, ``None`` for all); its call gets the model-level 2D
+    padding mask as the keyword ``energy_gate_token_mask``, which `TokenMaskHook` adds to the decoder's keyword
+    arguments and the stock decoder layers pass down with theirs."""
 
     def __reduce_ex__(self, protocol):
         # The class is made at run time (`gated_attention_class`), so pickle cannot find it by name: a module is
@@ -125,6 +127,7 @@ class EnergyGatedAttentionMixin:
         return _new_gated_attention, (self.stock_class,), self.__dict__
 
     def forward(self, *args, **kwargs):
+        token_mask = kwargs.pop(TOKEN_MASK_KEYWORD, None)
         if "past_key_values" in kwargs:  # the name transformers deprecates in favour of `cache`
             kwargs["cache"] = kwargs.pop("past_key_values")
         if len(args) > 1:  # rare: bind to the stock signature to find `cache` among positional arguments
@@ -137,7 +140,7 @@ class EnergyGatedAttentionMixin:
         hidden_states = args[0] if args else kwargs["hidden_states"]
         cache = kwargs.get("cache")
         past_state, valid = cached_gate_state(
-            cache, self.layer_idx, self.head_dim, self.energy_gate_token_mask, hidden_states.shape[1],
+            cache, self.layer_idx, self.head_dim, token_mask, hidden_states.shape[1],
             self.energy_gate.cached_positions,
         )
         stored = stored_dtype(cache, self.layer_idx, projection_dtype(hidden_states))
@@ -190,13 +193,15 @@ def gated_attention_class(stock_class: type) -> type:
 
 
 class TokenMaskHook:
-    """A forward pre-hook for a decoder stack: hands its 2D padding mask to the gated attention modules listed in
-    ``decoder._energy_gated_attentions`` (a plain attribute, so that deep copies hook their own modules).
+    """A forward pre-hook for a decoder stack: adds its 2D padding mask (True at tokens, ``None`` without padding)
+    to the decoder's keyword arguments as ``energy_gate_token_mask``; the stock decoder passes its extra keyword
+    arguments to every layer and each layer to its attention, where the gated ones take it. As an argument of each
+    layer's call, the mask is what gradient checkpointing's recomputation sees too, even after the model ran on
+    another batch before the backward (a reference or KL forward); a mask kept on the modules would be that batch's.
 
     Where ``attention_mask`` sits among the decoder's arguments is read from its signature here, once: the hook
     itself binds no signature, which a compiled graph (``torch.compile(fullgraph=True)``) could not trace after
-    generate()'s keyword arguments. The mask stays set after the call, so that gradient checkpointing's recomputation
-    sees the same one. (A class, not a closure, so that a gated model pickles: ``torch.save(model)``.)
+    generate()'s keyword arguments. (A class, not a closure, so that a gated model pickles: ``torch.save(model)``.)
     """
 
     def __init__(self, decoder):
@@ -207,6 +212,4 @@ class TokenMaskHook:
         mask = kwargs.get("attention_mask")
         if mask is None and self.position is not None and self.position < len(args):
             mask = args[self.position]
-        token_mask = padding_mask(mask)
-        for attention in module._energy_gated_attentions:
-            attention.energy_gate_token_mask = token_mask
+        return args, {**kwargs, TOKEN_MASK_KEYWORD: padding_mask(mask)}

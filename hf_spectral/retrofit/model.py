@@ -102,7 +102,7 @@ def add_energy_gates(model, config: EnergyGateConfig | None = None):
 def _restore(model, decoder, before: dict) -> None:
     """Undo a partly done `add_energy_gates`: every attention, the decoder, the config and the model as they were."""
     for attention, attention_class, attention_config in before["attentions"]:
-        for name in ("energy_gate", "energy_gate_heads", "energy_gate_token_mask"):
+        for name in ("energy_gate", "energy_gate_heads"):
             if hasattr(attention, name):
                 delattr(attention, name)
         attention.__class__ = attention_class
@@ -125,7 +125,7 @@ def remove_energy_gates(model):
     family = family_of(model)
     for attention in gated:
         del attention.energy_gate
-        del attention.energy_gate_heads, attention.energy_gate_token_mask
+        del attention.energy_gate_heads
         attention.config = attention.config.config
         attention.__class__ = type(attention).stock_class
     decoder = _decoder_of(model, family)

@@ -144,7 +144,6 @@ def inject_energy_gates(model, family: Family, config: EnergyGateConfig) -> None
         ).to(device=reference.device, dtype=reference.dtype)
         attention.energy_gate = gate
         attention.energy_gate_heads = None if config.heads is None else list(config.heads)
-        attention.energy_gate_token_mask = None
         attention.__class__ = gated_attention_class(type(attention))
         attention.config = AttentionConfigView(model.config)
         gated.append(attention)

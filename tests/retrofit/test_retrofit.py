@@ -692,6 +692,31 @@ def test_every_gate_parameter_gets_a_gradient_for_data_parallel_training(tmp_pat
     assert [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
 
 
+@pytest.mark.parametrize("family", list(CHECKPOINTS))
+def test_gradient_checkpointing_recomputes_with_its_own_batch_padding_after_another_forward(tmp_path, family):
+    """A forward on another batch between a training forward and its backward (a reference or KL pass): the
+    recomputation of a checkpointed layer must see the padding of the batch it recomputes, so the gradients equal
+    those without checkpointing (a mask kept on the modules gave the other batch's: other gradients, or a
+    CheckpointError where the other batch had another shape)."""
+    ids, mask, _ = padded_batch()
+    others = [(ids.roll(1, 0), mask.flip(1)), (ids[:2, :7], None)]  # the same shape padded elsewhere; another shape
+    for other_ids, other_mask in others:
+        gradients = []
+        for checkpointing in (False, True):
+            model = AutoModelForCausalLM.from_pretrained(CHECKPOINTS[family](tmp_path / family))
+            add_energy_gates(model, EnergyGateConfig(energy_kind="linear"))
+            randomise_gates(model)
+            if checkpointing:
+                model.activation_checkpointing_enable()
+            model.train()
+            loss = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+            with torch.no_grad():
+                model(other_ids, attention_mask=other_mask)
+            loss.backward()
+            gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        torch.testing.assert_close(gradients[1], gradients[0], atol=1e-7, rtol=1e-6)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_16_bit_retrofitted_model_trains_through_its_cache_and_generates_under_autocast(tmp_path, family):
     """GPT-2 keeps its cache on in training: 16-bit values carrying packed gate state must leave the gradients
