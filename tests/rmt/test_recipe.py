@@ -9,10 +9,12 @@ import pytest
 
 from training.rmt_signal_recovery import main
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def test_recipe_help():
     result = subprocess.run([sys.executable, "-m", "training.rmt_signal_recovery", "--help"], capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 0 and "--smoke" in result.stdout
 
 

@@ -2,10 +2,12 @@
 
 import json
 import statistics
+import sys
 
 import pytest
 
 from training import reproduce_ega
+from training.common.jobs import run_logged
 
 
 def test_the_plan_covers_three_seeds_of_the_main_models_and_one_of_every_other_variant(capsys):
@@ -79,6 +81,16 @@ def test_aggregation_refuses_to_write_results_while_runs_are_missing(tmp_path, c
     assert code == 1
     assert "not complete" in capsys.readouterr().out
     assert not (tmp_path / "results").exists()
+
+
+def test_a_recipe_process_imports_the_checkouts_recipes_from_any_working_directory(tmp_path, monkeypatch):
+    """The reproduction scripts start `python -m training.<recipe>`: the child must find the checkout's package
+    though it starts elsewhere than the checkout's root and the caller's path came from somewhere else (pytest)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    log = tmp_path / "logs" / "child.log"
+    code, _ = run_logged([sys.executable, "-c", "import training.tinyshakespeare"], str(log), "import", "1")
+    assert code == 0, log.read_text()
 
 
 def test_smoke_runs_the_whole_pipeline_at_toy_size(tiny_shakespeare, tmp_path, capsys):

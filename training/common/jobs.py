@@ -31,6 +31,11 @@ def run_logged(command: list, log_path: str, label: str, threads: str) -> tuple[
     started = time.time()
     print(f"[{time.strftime('%H:%M:%S')}] start {label}  (log: {log_path})", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "TQDM_MININTERVAL": "30"}
+    if __package__.split(".")[0] != "hf_spectral":
+        # A checkout's `training` package: its recipes import from the checkout's root, wherever the child starts
+        # (the installed `hf_spectral.recipes` imports from anywhere).
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), root]))
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
