@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -119,10 +120,11 @@ def test_saved_wikitext_model_and_tokenizer_load_with_auto_classes(wikitext_run)
     assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tokenizer))
 
 
-def test_a_finished_run_is_reused_under_options_without_effect(wikitext_run, capsys):
+def test_a_finished_run_is_reused_under_options_without_effect(wikitext_run, capsys, tmp_path):
     """The preset's BPE size given explicitly, a TrainingArguments field that only changes the display, the data
     loader's workers: the same runs (they had been refused as made with other settings)."""
-    assert wikitext.main(["--smoke", "--data_path", str(wikitext_run["data"]), "--output_dir", str(wikitext_run["out"]),
+    out = shutil.copytree(wikitext_run["out"], tmp_path / "copy")  # the rerun rewrites its records: not the shared ones
+    assert wikitext.main(["--smoke", "--data_path", str(wikitext_run["data"]), "--output_dir", str(out),
                           "--arms", "attention", "threshold", *THREADS, "--bpe_vocab_size", "512",
                           "--disable_tqdm", "true", "--dataloader_num_workers", "1", "--no_plots"]) == 0
     assert capsys.readouterr().out.count("complete already") == 2
@@ -156,8 +158,6 @@ def test_wikitext_evaluates_a_saved_model_on_a_folder_with_only_the_test_split(w
 def test_interrupted_routed_run_resumes_with_its_thresholds_and_ends_with_the_same_weights(wikitext_run, tmp_path):
     args = ["--smoke", "--data_path", str(wikitext_run["data"]), "--output_dir", str(tmp_path), "--arms",
             "threshold", *THREADS]
-    import shutil
-
     shutil.copytree(wikitext_run["out"] / "tokenizer", tmp_path / "tokenizer")  # the same BPE, not retrained
     assert wikitext.main(args + ["--stop_after_steps", "3"]) == EXIT_INTERRUPTED_CODE
     run_dir = tmp_path / "threshold-seed0"
@@ -431,7 +431,6 @@ def test_a_routed_run_trains_data_parallel_under_torchrun(wikitext_run, tmp_path
     """Two CPU processes, threshold routing: the recipe fails unless both end with the same weights
     (runs.check_replicas_agree). Calibrated on one batch and again at every step, so that the two processes reach
     each calibration together: both once wrote calibration.json, and one of them then lost its rename."""
-    import shutil
     import subprocess
 
     shutil.copytree(wikitext_run["out"] / "tokenizer", tmp_path / "tokenizer")

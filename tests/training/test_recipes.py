@@ -153,8 +153,8 @@ def test_gate_trajectory_is_recorded_every_logging_step(pushed_smoke_run):
     assert records[0]["layers"]["0"]["alpha"] == [[2.0], [2.0]] != records[-1]["layers"]["0"]["alpha"]
 
 
-def test_a_completed_run_is_not_trained_again(pushed_smoke_run, tiny_shakespeare, capsys):
-    out = pushed_smoke_run["dir"]
+def test_a_completed_run_is_not_trained_again(pushed_smoke_run, tiny_shakespeare, capsys, tmp_path):
+    out = shutil.copytree(pushed_smoke_run["dir"], tmp_path / "copy")  # the rerun rewrites the table: not the shared one
     before = (out / "BASE-seed0" / "model.safetensors").stat().st_mtime
     assert tinyshakespeare.main(["--smoke", "--variants", "BASE", "--data_path", tiny_shakespeare,
                                  "--output_dir", str(out)]) == 0

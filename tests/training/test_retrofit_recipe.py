@@ -1,6 +1,7 @@
 """The GPT-2 retrofit recipe: pretrain once, fine-tune arms at equal budget, artefacts that reload."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -81,18 +82,21 @@ def test_gates_with_lora_are_saved_in_the_adapter_and_reload(retrofit_run):
     assert "model-index" in card and "PeftModel.from_pretrained" in card
 
 
-def test_the_pretrained_model_is_reused_by_later_invocations(retrofit_run, capsys):
-    assert retrofit_gpt2.main(retrofit_run["arguments"] + ["--arms", "lora", "--no_plots"]) == 0
+def test_the_pretrained_model_is_reused_by_later_invocations(retrofit_run, capsys, tmp_path):
+    out = shutil.copytree(retrofit_run["dir"], tmp_path / "copy")  # these runs rewrite the table: not the shared one
+    arguments = list(retrofit_run["arguments"])
+    arguments[arguments.index("--output_dir") + 1] = str(out)
+    assert retrofit_gpt2.main(arguments + ["--arms", "lora", "--no_plots"]) == 0
     output = capsys.readouterr().out
     assert "[pretrained-seed0] complete already" in output
-    record = json.loads((retrofit_run["dir"] / "retrofit_gpt2.json").read_text())
+    record = json.loads((out / "retrofit_gpt2.json").read_text())
     assert [row["arm"] for row in record["rows"]] == ["pretrained (no fine-tuning)", "lora"]
     # Finished arms are reused by an invocation that asks for other arms too
-    assert retrofit_gpt2.main(retrofit_run["arguments"] + ["--arms", "gates", "lora", "--no_plots"]) == 0
+    assert retrofit_gpt2.main(arguments + ["--arms", "gates", "lora", "--no_plots"]) == 0
     assert "[gates-seed0] complete already" in capsys.readouterr().out
     # ... but only when made as this command would make it: another size is refused, naming the difference
     with pytest.raises(SystemExit, match="pretrained-seed0 holds a run made with other settings \\(hidden_size: "):
-        retrofit_gpt2.main(retrofit_run["arguments"] + ["--arms", "lora", "--no_plots", "--hidden_size", "64"])
+        retrofit_gpt2.main(arguments + ["--arms", "lora", "--no_plots", "--hidden_size", "64"])
 
 
 def test_arms_from_another_pretrained_model_or_other_data_are_not_reused(retrofit_run, tmp_path):
