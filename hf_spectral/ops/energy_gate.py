@@ -234,15 +234,22 @@ def padding_mask(mask, length: int | torch.Tensor | None = None) -> torch.Tensor
     """The (batch, past + new) bool padding mask (True at tokens) behind an ``attention_mask``: a 2D mask as given;
     a causal 4D mask (batch, 1, queries, keys), bool or additive, through `padding_of_causal_mask` (its last row's
     first ``length`` columns; a mask that is not causal plus padding is refused); a dict of masks (one per layer
-    type) through its first entry; ``None`` for anything else, and for a CPU mask without padding.
+    type) through its first entry; ``None`` for no mask or one that is not a tensor (a flex ``BlockMask``), and for
+    a CPU mask without padding. A tensor of other dimensions is refused: read as no padding, it would let the gates
+    count padding as tokens.
 
     Without padding the gates skip their masking (about ten element-wise ops per layer, which bound a decoding step
     on CPU). Like transformers' own SDPA mask, the check runs only outside compiled graphs, and only on CPU, where
     reading the mask costs no device synchronisation."""
     if isinstance(mask, dict):
         mask = next((m for m in mask.values() if m is not None), None)
-    if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 4):
+    if not isinstance(mask, torch.Tensor):
         return None
+    if mask.ndim not in (2, 4):
+        raise ValueError(
+            f"the energy gates read padding from a 2D (batch, cached + new) or 4D (batch, 1, new, cached + new) "
+            f"attention mask; got one of shape {tuple(mask.shape)}"
+        )
     tokens = mask.bool() if mask.ndim == 2 else padding_of_causal_mask(mask, length)
     if host_reads_are_free(tokens) and bool(tokens.all()):
         return None

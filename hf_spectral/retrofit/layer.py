@@ -24,6 +24,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
 
 from ..ops.energy_gate import padding_mask
 from ..ops.gated_attention import (
@@ -35,6 +36,8 @@ from ..ops.gated_attention import (
     write_folded_kv,
 )
 
+logger = logging.get_logger(__name__)
+
 GATED_PREFIX = "energy_gated_"
 TOKEN_MASK_KEYWORD = "energy_gate_token_mask"  # the decoder's padding mask, on its way to the gated attention calls
 
@@ -45,6 +48,13 @@ def _gated_attention_function(backend: str):
         energy_gate_folded=False, **kwargs,
     ):
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if backend != "eager" and kwargs.pop("output_attentions", False):
+            # As in the stock model (EGA-GPT instead runs such a call through eager): a model gated in some layers
+            # only would otherwise return probabilities for those layers alone, a list not one entry per layer.
+            logger.warning_once(
+                f"`{backend}` attention does not return attention probabilities; load the model with "
+                "`attn_implementation='eager'` for them"
+            )
         if energy_gate_folded:  # keys/values from the KV cache, bias in channel head_dim
             return folded_attention(
                 module, backend, query, key, value, query.shape[-1], attention_mask, scaling, dropout, **kwargs
@@ -212,4 +222,6 @@ class TokenMaskHook:
         mask = kwargs.get("attention_mask")
         if mask is None and self.position is not None and self.position < len(args):
             mask = args[self.position]
+        if isinstance(mask, torch.Tensor) and mask.ndim in (1, 3):  # GPT-2 takes these too: one row per sequence
+            mask = mask.reshape(-1, mask.shape[-1])
         return args, {**kwargs, TOKEN_MASK_KEYWORD: padding_mask(mask)}

@@ -181,6 +181,10 @@ def test_padding_mask_reads_2d_and_4d_masks():
     wide = torch.nn.functional.pad(four_d, (0, 3))
     assert torch.equal(padding_mask(wide), torch.nn.functional.pad(mask.bool(), (0, 3)))
     assert torch.equal(padding_mask(wide, torch.tensor(4)), mask.bool())  # a CPU tensor is read: free on the host
+    # a mask of other dimensions is refused (read as no mask, the gates would count its padding as tokens)
+    for other in (mask[0], mask[None], four_d[..., None]):
+        with pytest.raises(ValueError, match=f"shape {tuple(other.shape)}".replace("(", "\\(").replace(")", "\\)")):
+            padding_mask(other)
 
 
 def test_causal_filter_matches_direct_convolution():

@@ -239,6 +239,20 @@ def test_the_padding_mask_reaches_the_gates_when_given_by_position(tmp_path):
     assert torch.equal(by_position * mask[..., None], by_name * mask[..., None])
 
 
+def test_the_gates_see_the_padding_of_the_1d_and_3d_masks_gpt2_takes(tmp_path):
+    """GPT-2 also takes one row of a batch of one as a 1D mask, and (batch, choices, length) inputs and masks."""
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
+    add_energy_gates(model)
+    randomise_gates(model)
+    ids, mask, _ = padded_batch()
+    with torch.no_grad():
+        rows = model.transformer(ids, attention_mask=mask).last_hidden_state * mask[..., None]
+        choices = model.transformer(ids[None], attention_mask=mask[None]).last_hidden_state[0]
+        torch.testing.assert_close(choices * mask[..., None], rows, atol=1e-6, rtol=1e-5)
+        one = model.transformer(ids[:1], attention_mask=mask[0]).last_hidden_state
+        torch.testing.assert_close(one * mask[:1, :, None], rows[:1], atol=1e-6, rtol=1e-5)
+
+
 def test_only_the_layers_asked_for_are_gated(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g"))
     add_energy_gates(model, EnergyGateConfig(layers=[1]))
@@ -519,6 +533,22 @@ def test_gates_train_next_to_lora_and_live_in_the_adapter(tmp_path):
     torch.testing.assert_close(logits(restored, ids, mask, positions), expected, atol=1e-6, rtol=0)
     untrained = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path), gate_config).eval()
     assert (logits(untrained, ids, mask, positions) - expected).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_attention_probabilities_come_per_layer_as_from_the_stock_model(family, backend, tmp_path):
+    """output_attentions: eager gives every layer's probabilities, SDPA none, whichever layers are gated (gated layers
+    that ran through eager under SDPA gave a list of the gated layers alone, read as layers 0, 1, ...)."""
+    ids = padded_batch()[0][1:2]
+    for layers in (None, [1]):
+        path = CHECKPOINTS[family](tmp_path / family)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=backend).eval()
+        with torch.no_grad():
+            stock = model(ids, output_attentions=True).attentions or ()
+            add_energy_gates(model, EnergyGateConfig(layers=layers))
+            gated = model(ids, output_attentions=True).attentions or ()
+        assert len(gated) == len(stock) == (2 if backend == "eager" else 0)
 
 
 def test_only_the_chosen_heads_are_gated(tmp_path):
