@@ -7,6 +7,7 @@ Auto classes. Saved with ``save_pretrained`` it therefore loads back, gates incl
 it is not (the folder carries the code); its weights keep the stock names, plus ``...attn.energy_gate.*``.
 """
 
+import copy
 import json
 import os
 import uuid
@@ -71,8 +72,9 @@ def add_energy_gates(model, config: EnergyGateConfig | None = None):
     With the default ``alpha_init=0`` every gate starts as the identity, so the logits do not change (exactly;
     tested for padded batches and cached generation). The model becomes an ``energy_gated_<family>`` model:
     ``save_pretrained`` records the gate configuration in ``config.json`` and the gates load back with
-    ``AutoModelForCausalLM.from_pretrained``. If adding fails (e.g. PyWavelets missing for db2/db4 energies), the
-    model is left as it was.
+    ``AutoModelForCausalLM.from_pretrained``. The model gets a copy of its config to record the gates in, so other
+    models built from the same config object stay as they are. If adding fails (e.g. PyWavelets missing for db2/db4
+    energies), the model is left as it was.
     """
     config = config or EnergyGateConfig()
     if not isinstance(config, EnergyGateConfig):
@@ -84,10 +86,11 @@ def add_energy_gates(model, config: EnergyGateConfig | None = None):
     attentions = _attention_layers(decoder, family)
     before = {
         "attentions": [(attention, type(attention), attention.__dict__.get("config")) for attention in attentions],
-        "config_class": type(model.config),
+        "config": model.config,
         "model_class": type(model),
     }
     try:
+        before["repointed"] = _give_own_config(model)
         _inject(model, family, config)
         model.config.energy_gates = config.to_dict()
         model.config.__class__ = gated_config_class(family)
@@ -99,8 +102,22 @@ def add_energy_gates(model, config: EnergyGateConfig | None = None):
     return model
 
 
+def _give_own_config(model) -> list:
+    """Point ``model`` and every module of it that shares its config at a copy, and return those modules. The
+    retrofit changes the config it gates or ungates; another model built from the same object
+    (``GPT2LMHeadModel(config)`` twice, ``AutoModelForCausalLM.from_config(model.config)``) must not change with it."""
+    shared = model.config
+    own = copy.deepcopy(shared)
+    repointed = [module for module in model.modules() if module.__dict__.get("config") is shared]
+    for module in repointed:
+        module.config = own
+    return repointed
+
+
 def _restore(model, decoder, before: dict) -> None:
     """Undo a partly done `add_energy_gates`: every attention, the decoder, the config and the model as they were."""
+    for module in before.get("repointed", ()):
+        module.config = before["config"]
     for attention, attention_class, attention_config in before["attentions"]:
         for name in ("energy_gate", "energy_gate_heads"):
             if hasattr(attention, name):
@@ -112,8 +129,6 @@ def _restore(model, decoder, before: dict) -> None:
     if hook is not None:
         hook.remove()
     decoder.__dict__.pop("_energy_gated_attentions", None)
-    model.config.__dict__.pop("energy_gates", None)
-    model.config.__class__ = before["config_class"]
     model.__class__ = before["model_class"]
 
 
@@ -123,10 +138,11 @@ def remove_energy_gates(model):
     if not gated:
         raise ValueError("this model has no energy gates")
     family = family_of(model)
+    _give_own_config(model)  # a model made with `from_config(gated.config)` shares the gated model's
     for attention in gated:
         del attention.energy_gate
         del attention.energy_gate_heads
-        attention.config = attention.config.config
+        attention.config = model.config  # (its view showed the shared config)
         attention.__class__ = type(attention).stock_class
     decoder = _decoder_of(model, family)
     decoder._energy_gate_hook.remove()

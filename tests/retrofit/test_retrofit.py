@@ -400,6 +400,29 @@ def test_gpt2_keeps_its_float32_scores_under_eager_attention():
     torch.testing.assert_close(gated, stock)  # float16 tolerances: float32 scores from another matmul kernel
 
 
+def test_models_sharing_one_config_object_are_gated_and_ungated_independently(tmp_path):
+    """Two models built from one config object (a policy and its reference), and a model made with
+    `from_config(gated.config)`: gating or ungating one must leave the others' configs, and what they save, alone."""
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)
+    first, second = GPT2LMHeadModel(config).eval(), GPT2LMHeadModel(config).eval()
+    add_energy_gates(first, EnergyGateConfig(energy_kind="linear", layers=[0]))
+    assert type(second.config) is GPT2Config and not hasattr(second.config, "energy_gates") and config is second.config
+    add_energy_gates(second, EnergyGateConfig(energy_kind="conv", layers=[1]))
+    assert (first.config.energy_gates["energy_kind"], first.config.energy_gates["layers"]) == ("linear", [0])
+    randomise_gates(first)
+    first.save_pretrained(tmp_path / "first")
+    ids = padded_batch()[0]
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "first").eval()(ids).logits,
+                                   first(ids).logits, atol=1e-6, rtol=1e-5)
+    remove_energy_gates(second)
+    made_from = AutoModelForCausalLM.from_config(first.config)
+    remove_energy_gates(made_from)
+    assert first.config.energy_gates["energy_kind"] == "linear" and first.config.model_type == "energy_gated_gpt2"
+    assert first.generate(ids[:1], max_new_tokens=3, do_sample=False, pad_token_id=0).shape == (1, 15)
+    assert type(second.config) is GPT2Config is type(made_from.config) and not hasattr(second.config, "energy_gates")
+
+
 def test_remove_energy_gates_restores_the_stock_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
     ids, mask, positions = padded_batch()
