@@ -228,25 +228,17 @@ def test_gated_attention_accepts_positional_arguments(tmp_path):
     assert torch.equal(by_name, by_position)
 
 
-def test_the_padding_mask_reaches_the_gates_when_given_by_position(tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
-    add_energy_gates(model)
-    randomise_gates(model)
-    ids, mask, _ = padded_batch()
-    with torch.no_grad():
-        by_name = model.transformer(ids, attention_mask=mask).last_hidden_state
-        by_position = model.transformer(ids, None, mask).last_hidden_state  # (input_ids, cache, attention_mask)
-    assert torch.equal(by_position * mask[..., None], by_name * mask[..., None])
-
-
-def test_the_gates_see_the_padding_of_the_1d_and_3d_masks_gpt2_takes(tmp_path):
-    """GPT-2 also takes one row of a batch of one as a 1D mask, and (batch, choices, length) inputs and masks."""
+def test_the_padding_mask_reaches_the_gates_in_every_form_gpt2_takes(tmp_path):
+    """By name or by position; GPT-2 also takes one row of a batch of one as a 1D mask, and (batch, choices, length)
+    inputs and masks."""
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
     add_energy_gates(model)
     randomise_gates(model)
     ids, mask, _ = padded_batch()
     with torch.no_grad():
         rows = model.transformer(ids, attention_mask=mask).last_hidden_state * mask[..., None]
+        by_position = model.transformer(ids, None, mask).last_hidden_state  # (input_ids, cache, attention_mask)
+        assert torch.equal(by_position * mask[..., None], rows)
         choices = model.transformer(ids[None], attention_mask=mask[None]).last_hidden_state[0]
         torch.testing.assert_close(choices * mask[..., None], rows, atol=1e-6, rtol=1e-5)
         one = model.transformer(ids[:1], attention_mask=mask[0]).last_hidden_state

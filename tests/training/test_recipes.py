@@ -154,7 +154,7 @@ def test_gate_trajectory_is_recorded_every_logging_step(pushed_smoke_run):
 
 
 def test_a_completed_run_is_not_trained_again(pushed_smoke_run, tiny_shakespeare, capsys, tmp_path):
-    out = shutil.copytree(pushed_smoke_run["dir"], tmp_path / "copy")  # the rerun rewrites the table: not the shared one
+    out = shutil.copytree(pushed_smoke_run["dir"], tmp_path / "copy")  # the rerun rewrites the table: not the shared
     before = (out / "BASE-seed0" / "model.safetensors").stat().st_mtime
     assert tinyshakespeare.main(["--smoke", "--variants", "BASE", "--data_path", tiny_shakespeare,
                                  "--output_dir", str(out)]) == 0
