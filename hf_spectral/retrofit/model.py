@@ -93,7 +93,7 @@ def add_energy_gates(model, config: EnergyGateConfig | None = None):
         before["repointed"] = _give_own_config(model)
         _inject(model, family, config)
         model.config.energy_gates = config.to_dict()
-        model.config.__class__ = gated_config_class(family)
+        model.config.__class__ = gated_config_class(family, type(model.config))
         init_energy_gates(model)
         model.__class__ = gated_model_class(type(model))
     except BaseException:
@@ -148,7 +148,7 @@ def remove_energy_gates(model):
     decoder._energy_gate_hook.remove()
     del decoder._energy_gated_attentions, decoder._energy_gate_hook
     del model.config.energy_gates
-    model.config.__class__ = family.config_class
+    model.config.__class__ = type(model.config).stock_config_class  # the stock class, or the user's subclass
     model.config.__dict__.pop("model_type", None)  # a gated checkpoint's config.json set the gated type here
     _forget_gated_remote_code(model.config)
     # The model's own class, and a decoder that a classification head built through AutoModel (its gated form

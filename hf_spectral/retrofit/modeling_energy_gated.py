@@ -13,6 +13,7 @@ imports (flattened to sibling imports by `save_model_code`) next to the weights 
 where hf_spectral is not installed. It therefore imports only transformers, torch and files that can travel with it.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,10 @@ def family_of_class(model_class: type) -> Family:
     raise ValueError(
         f"energy gates cannot be added to {model_class.__name__}; supported: {_supported_names()} and their subclasses"
     )
+
+
+def family_of_config_class(config_class: type) -> Family:
+    return next(family for family in FAMILIES if issubclass(config_class, family.config_class))
 
 
 def family_of(model) -> Family:
@@ -184,6 +189,11 @@ class EnergyGatedModelMixin:
     """Mixed into a stock model class: rebuilds the gates recorded in ``config.energy_gates`` at construction, so
     ``from_pretrained`` finds a parameter for every saved gate weight; saves its code with the weights."""
 
+    def __reduce_ex__(self, protocol):
+        # The gated form of a subclass (a user's model class) is made at run time (`gated_model_class`), so pickle
+        # cannot find it by name: a model is pickled as "the gated form of its stock class" (`torch.save(model)`).
+        return _new_gated_model, (self.stock_class,), self.__getstate__()
+
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         if not isinstance(getattr(config, "energy_gates", None), dict):
@@ -218,15 +228,21 @@ class EnergyGatedModelMixin:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # The folder carries this file and what it imports, so it loads with trust_remote_code without hf_spectral.
-        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
+        with saved_as_family_config(self.config):
+            return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
 
 
 class EnergyGatedConfigMixin:
     """Mixed into a stock config class: a config saved alone also carries the code (and a complete ``auto_map``),
     so that ``AutoModelForCausalLM.from_config(config, trust_remote_code=True)`` works without hf_spectral."""
 
+    def __reduce_ex__(self, protocol):
+        # As for the models: the gated form of a config subclass is made at run time (`gated_config_class`).
+        return _new_gated_config, (self.stock_config_class,), self.__dict__
+
     def save_pretrained(self, save_directory, *args, **kwargs):
-        return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
+        with saved_as_family_config(self):
+            return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
@@ -239,11 +255,24 @@ class EnergyGatedConfigMixin:
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
 
-def _gated_config(family: Family) -> type:
+@contextmanager
+def saved_as_family_config(config):
+    """While saving, a gated config of a user's config subclass is its family's gated config: the class this file
+    defines by name, which ``auto_map`` names and the checkpoint loads back as (as transformers loads a stock
+    subclass's checkpoint as the stock class; what the subclass stores in the config is saved all the same)."""
+    own = type(config)
+    config.__class__ = gated_config_class(family_of_config_class(config.stock_config_class))
+    try:
+        yield
+    finally:
+        config.__class__ = own
+
+
+def _gated_config(family: Family, config_class: type) -> type:
     return type(
-        f"EnergyGated{family.config_class.__name__}",
-        (EnergyGatedConfigMixin, family.config_class),
-        {"model_type": f"energy_gated_{family.model_type}", "stock_config_class": family.config_class,
+        f"EnergyGated{config_class.__name__}",
+        (EnergyGatedConfigMixin, config_class),
+        {"model_type": f"energy_gated_{family.model_type}", "stock_config_class": config_class,
          "__module__": __name__},
     )
 
@@ -263,7 +292,8 @@ def _gated_model(stock_class: type, config_class: type) -> type:
 _GATED_CONFIGS: dict[type, type] = {}
 _GATED_MODELS: dict[type, type] = {}
 for _family_entry in FAMILIES:
-    _config_class = _GATED_CONFIGS[_family_entry.config_class] = _gated_config(_family_entry)
+    _stock_config = _family_entry.config_class
+    _config_class = _GATED_CONFIGS[_stock_config] = _gated_config(_family_entry, _stock_config)
     globals()[_config_class.__name__] = _config_class
     for _stock_class in _family_entry.model_classes.values():
         _model_class = _GATED_MODELS[_stock_class] = _gated_model(_stock_class, _config_class)
@@ -273,12 +303,31 @@ for _family_entry in FAMILIES:
     transformers.AutoModel.register(
         _config_class, _GATED_MODELS[_family_entry.model_classes["AutoModel"]], exist_ok=True
     )
-del _family_entry, _config_class, _stock_class, _model_class
+del _family_entry, _stock_config, _config_class, _stock_class, _model_class
 
 
-def gated_config_class(family: Family) -> type:
-    """``EnergyGated<StockConfig>`` of ``family``."""
-    return _GATED_CONFIGS[family.config_class]
+def gated_config_class(family: Family, config_class: type | None = None) -> type:
+    """``EnergyGated<StockConfig>`` of ``family``; with ``config_class``, a subclass of the stock config (a user's
+    config class), its gated form, built (and cached) so that the model keeps what its subclass adds. A gated
+    config class is returned as it is."""
+    config_class = config_class or family.config_class
+    if issubclass(config_class, EnergyGatedConfigMixin):
+        return config_class
+    if config_class not in _GATED_CONFIGS:
+        _GATED_CONFIGS[config_class] = _gated_config(family, config_class)
+    return _GATED_CONFIGS[config_class]
+
+
+def _new_gated_config(config_class: type):
+    """An empty instance of the gated form of ``config_class``, for unpickling (its state is set next)."""
+    gated = gated_config_class(family_of_config_class(config_class), config_class)
+    return gated.__new__(gated)
+
+
+def _new_gated_model(stock_class: type):
+    """An empty instance of the gated form of ``stock_class``, for unpickling (its state is set next)."""
+    gated = gated_model_class(stock_class)
+    return gated.__new__(gated)
 
 
 def gated_model_class(stock_class: type) -> type:

@@ -362,6 +362,52 @@ def test_a_gated_model_pickles_whole_also_into_a_fresh_process(tmp_path):
     assert result.stdout.strip() == "EnergyGatedLlamaAttention"
 
 
+class ScaledLlamaConfig(LlamaConfig):
+    """A user's config subclass (importable by name, as pickle needs)."""
+
+    @property
+    def logit_scale(self) -> float:
+        return 0.5
+
+
+class ScaledLlamaForCausalLM(LlamaForCausalLM):
+    """A user's model subclass whose forward reads what its config subclass adds."""
+
+    config_class = ScaledLlamaConfig
+
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        output.logits = output.logits * self.config.logit_scale
+        return output
+
+
+def test_a_user_subclass_keeps_its_config_class_and_pickles_when_gated(tmp_path):
+    """The config keeps the user's class under the gated one (its forward read a property the stock gated config
+    lacked), gets it back when the gates go, and a gated subclass pickles (its gated class is made at run time)."""
+    size = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = ScaledLlamaForCausalLM(ScaledLlamaConfig(**size)).eval()
+    ids, mask, positions = padded_batch()
+    stock = logits(model, ids, mask, positions)
+    add_energy_gates(model, EnergyGateConfig(energy_kind="linear"))
+    assert isinstance(model.config, ScaledLlamaConfig) and model.config.model_type == "energy_gated_llama"
+    torch.testing.assert_close(logits(model, ids, mask, positions), stock, atol=1e-6, rtol=1e-5)
+    randomise_gates(model)
+    gated = logits(model, ids, mask, positions)
+    for copy in (pickle.loads(pickle.dumps(model)), pickle.loads(pickle.dumps(model.config))):
+        assert isinstance(copy, ScaledLlamaForCausalLM | ScaledLlamaConfig)
+    assert torch.equal(logits(pickle.loads(pickle.dumps(model)), ids, mask, positions), gated)
+    # Saved, it loads back as the family's gated model, as transformers loads a stock subclass's checkpoint
+    model.save_pretrained(tmp_path / "scaled")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "scaled").eval()
+    assert type(reloaded).__name__ == "EnergyGatedLlamaForCausalLM" and isinstance(model.config, ScaledLlamaConfig)
+    torch.testing.assert_close(logits(reloaded, ids, mask, positions) * 0.5, gated, atol=1e-6, rtol=1e-5)
+    remove_energy_gates(model)
+    assert type(model.config) is ScaledLlamaConfig and model.config.model_type == "llama"
+    torch.testing.assert_close(logits(model, ids, mask, positions), stock, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("prefill_under_autocast", [True, False])
 def test_a_gated_cache_continues_across_an_autocast_boundary(tmp_path, family, prefill_under_autocast):
