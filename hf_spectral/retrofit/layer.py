@@ -209,19 +209,36 @@ class TokenMaskHook:
     layer's call, the mask is what gradient checkpointing's recomputation sees too, even after the model ran on
     another batch before the backward (a reference or KL forward); a mask kept on the modules would be that batch's.
 
-    Where ``attention_mask`` sits among the decoder's arguments is read from its signature here, once: the hook
-    itself binds no signature, which a compiled graph (``torch.compile(fullgraph=True)``) could not trace after
-    generate()'s keyword arguments. (A class, not a closure, so that a gated model pickles: ``torch.save(model)``.)
+    Where ``attention_mask`` (and the inputs) sit among the decoder's arguments is read from its signature here,
+    once: the hook itself binds no signature, which a compiled graph (``torch.compile(fullgraph=True)``) could not
+    trace after generate()'s keyword arguments. (A class, not a closure, so that a gated model pickles.)
+
+    ``masks_as_rows``: the decoder reads a mask below 4D as rows of its sequences, ``mask.view(sequences, -1)``
+    (GPT-2: a flat mask, (batch, choices, length) inputs); the gates then read it the same way.
     """
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, masks_as_rows: bool = False):
         names = list(inspect.signature(decoder.forward).parameters)
         self.position = names.index("attention_mask") if "attention_mask" in names else None
+        inputs = ("input_ids", "inputs_embeds") if masks_as_rows else ()
+        self.input_positions = {name: names.index(name) for name in inputs if name in names}
 
     def __call__(self, module, args, kwargs):
         mask = kwargs.get("attention_mask")
         if mask is None and self.position is not None and self.position < len(args):
             mask = args[self.position]
-        if isinstance(mask, torch.Tensor) and mask.ndim in (1, 3):  # GPT-2 takes these too: one row per sequence
-            mask = mask.reshape(-1, mask.shape[-1])
+        if getattr(self, "input_positions", None) and isinstance(mask, torch.Tensor) and mask.ndim < 4:
+            sequences = self._sequences(args, kwargs)
+            if sequences is not None and mask.numel() % sequences == 0:
+                mask = mask.reshape(sequences, -1)
         return args, {**kwargs, TOKEN_MASK_KEYWORD: padding_mask(mask)}
+
+    def _sequences(self, args, kwargs) -> int | None:
+        """How many sequences the decoder's input holds (as GPT-2 counts them), or None where it has none."""
+        for name, position in self.input_positions.items():
+            value = kwargs.get(name)
+            if value is None and position < len(args):
+                value = args[position]
+            if isinstance(value, torch.Tensor):
+                return value.numel() // value.shape[-1] if name == "input_ids" else value.shape[0]
+        return None

@@ -153,7 +153,9 @@ def inject_energy_gates(model, family: Family, config: EnergyGateConfig) -> None
         attention.config = AttentionConfigView(model.config)
         gated.append(attention)
     decoder._energy_gated_attentions = gated
-    decoder._energy_gate_hook = decoder.register_forward_pre_hook(TokenMaskHook(decoder), with_kwargs=True)
+    decoder._energy_gate_hook = decoder.register_forward_pre_hook(
+        TokenMaskHook(decoder, masks_as_rows=family.model_type == "gpt2"), with_kwargs=True
+    )
 
 
 @torch.no_grad()
@@ -191,7 +193,10 @@ class EnergyGatedModelMixin:
 
     def __reduce_ex__(self, protocol):
         # The gated form of a subclass (a user's model class) is made at run time (`gated_model_class`), so pickle
-        # cannot find it by name: a model is pickled as "the gated form of its stock class" (`torch.save(model)`).
+        # cannot find it by name: such a model is pickled as "the gated form of its stock class" (`torch.save`).
+        # A class defined by name (here, or a user's subclass of a gated class) pickles as usual.
+        if type(self) is not gated_model_class(self.stock_class):
+            return super().__reduce_ex__(protocol)
         return _new_gated_model, (self.stock_class,), self.__getstate__()
 
     def __init__(self, config, *args, **kwargs):
@@ -238,7 +243,10 @@ class EnergyGatedConfigMixin:
 
     def __reduce_ex__(self, protocol):
         # As for the models: the gated form of a config subclass is made at run time (`gated_config_class`).
-        return _new_gated_config, (self.stock_config_class,), self.__dict__
+        stock = self.stock_config_class
+        if type(self) is not gated_config_class(family_of_config_class(stock), stock):
+            return super().__reduce_ex__(protocol)
+        return _new_gated_config, (stock,), self.__dict__
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         with saved_as_family_config(self):

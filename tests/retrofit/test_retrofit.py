@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import subprocess
+from copy import deepcopy
 import sys
 
 import pytest
@@ -30,6 +31,7 @@ from transformers import (
 
 import hf_spectral  # noqa: F401  (registers the energy-gated model types)
 from hf_spectral.ops import gated_attention
+from hf_spectral.retrofit.modeling_energy_gated import EnergyGatedLlamaForCausalLM
 from hf_spectral.retrofit import (
     EnergyGateConfig,
     add_energy_gates,
@@ -243,6 +245,11 @@ def test_the_padding_mask_reaches_the_gates_in_every_form_gpt2_takes(tmp_path):
         torch.testing.assert_close(choices * mask[..., None], rows, atol=1e-6, rtol=1e-5)
         one = model.transformer(ids[:1], attention_mask=mask[0]).last_hidden_state
         torch.testing.assert_close(one * mask[:1, :, None], rows[:1], atol=1e-6, rtol=1e-5)
+        # GPT-2 reads any mask below 4D as its sequences' rows: a flat mask, a (batch, choices · length) one
+        flat = model.transformer(ids, attention_mask=mask.flatten()).last_hidden_state
+        torch.testing.assert_close(flat * mask[..., None], rows, atol=1e-6, rtol=1e-5)
+        wide = model.transformer(ids[None], attention_mask=mask.reshape(1, -1)).last_hidden_state[0]
+        torch.testing.assert_close(wide * mask[..., None], rows, atol=1e-6, rtol=1e-5)
 
 
 def test_only_the_layers_asked_for_are_gated(tmp_path):
@@ -381,6 +388,15 @@ class ScaledLlamaForCausalLM(LlamaForCausalLM):
         return output
 
 
+class ScaledGatedLlama(EnergyGatedLlamaForCausalLM):
+    """A user's subclass of a gated class."""
+
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        output.logits = output.logits * 3
+        return output
+
+
 def test_a_user_subclass_keeps_its_config_class_and_pickles_when_gated(tmp_path):
     """The config keeps the user's class under the gated one (its forward read a property the stock gated config
     lacked), gets it back when the gates go, and a gated subclass pickles (its gated class is made at run time)."""
@@ -403,6 +419,11 @@ def test_a_user_subclass_keeps_its_config_class_and_pickles_when_gated(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "scaled").eval()
     assert type(reloaded).__name__ == "EnergyGatedLlamaForCausalLM" and isinstance(model.config, ScaledLlamaConfig)
     torch.testing.assert_close(logits(reloaded, ids, mask, positions) * 0.5, gated, atol=1e-6, rtol=1e-5)
+    # A subclass of a gated class (defined by name) pickles and copies as itself
+    scaled_gated = ScaledGatedLlama.from_pretrained(tmp_path / "scaled").eval()
+    for copy in (pickle.loads(pickle.dumps(scaled_gated)), deepcopy(scaled_gated)):
+        assert type(copy) is ScaledGatedLlama
+        assert torch.equal(logits(copy, ids, mask, positions), logits(scaled_gated, ids, mask, positions))
     remove_energy_gates(model)
     assert type(model.config) is ScaledLlamaConfig and model.config.model_type == "llama"
     torch.testing.assert_close(logits(model, ids, mask, positions), stock, atol=1e-6, rtol=1e-5)
