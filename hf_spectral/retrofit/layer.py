@@ -224,10 +224,12 @@ class TokenMaskHook:
         self.input_positions = {name: names.index(name) for name in inputs if name in names}
 
     def __call__(self, module, args, kwargs):
+        if not hasattr(self, "input_positions"):  # a hook pickled before it counted sequences: GPT-2's count them
+            self.__init__(module, masks_as_rows=str(getattr(module.config, "model_type", "")).endswith("gpt2"))
         mask = kwargs.get("attention_mask")
         if mask is None and self.position is not None and self.position < len(args):
             mask = args[self.position]
-        if getattr(self, "input_positions", None) and isinstance(mask, torch.Tensor) and mask.ndim < 4:
+        if self.input_positions and isinstance(mask, torch.Tensor) and mask.ndim < 4:
             sequences = self._sequences(args, kwargs)
             if sequences is not None and mask.numel() % sequences == 0:
                 mask = mask.reshape(sequences, -1)

@@ -250,6 +250,11 @@ def test_the_padding_mask_reaches_the_gates_in_every_form_gpt2_takes(tmp_path):
         torch.testing.assert_close(flat * mask[..., None], rows, atol=1e-6, rtol=1e-5)
         wide = model.transformer(ids[None], attention_mask=mask.reshape(1, -1)).last_hidden_state[0]
         torch.testing.assert_close(wide * mask[..., None], rows, atol=1e-6, rtol=1e-5)
+        # a hook pickled before it counted sequences learns how at its first call
+        decoder = model.transformer
+        del decoder._forward_pre_hooks[decoder._energy_gate_hook.id].input_positions
+        choices = model.transformer(ids[None], attention_mask=mask[None]).last_hidden_state[0]
+        torch.testing.assert_close(choices * mask[..., None], rows, atol=1e-6, rtol=1e-5)
 
 
 def test_only_the_layers_asked_for_are_gated(tmp_path):
