@@ -269,7 +269,8 @@ def saved_as_family_config(config):
     defines by name, which ``auto_map`` names and the checkpoint loads back as (as transformers loads a stock
     subclass's checkpoint as the stock class; what the subclass stores in the config is saved all the same)."""
     own = type(config)
-    config.__class__ = gated_config_class(family_of_config_class(config.stock_config_class))
+    if isinstance(config, EnergyGatedConfigMixin):  # (any other config is refused by the code saving, by name)
+        config.__class__ = gated_config_class(family_of_config_class(config.stock_config_class))
     try:
         yield
     finally:
