@@ -31,6 +31,7 @@ from hf_spectral.models.ega_gpt import EGAConfig, EGAForCausalLM, EGAForSequence
 from hf_spectral.ops import remote_code
 from hf_spectral.ops.remote_code import RemoteCodeError, flatten_imports, save_model_code
 from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates
+from tests.helpers import load_without_plugin
 
 PACKAGE = Path(hf_spectral.__file__).parent
 OPS = PACKAGE / "ops"
@@ -387,6 +388,47 @@ def test_retrofitted_checkpoints_load_without_the_plugin(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # save_model_code itself
 # ----------------------------------------------------------------------------------------------------------------
+
+
+class UserEGAConfig(EGAConfig):
+    """A user's subclasses, in a module that imports hf_spectral by name (which a saved copy could not)."""
+
+    @property
+    def doubled(self) -> int:
+        return 2 * self.hidden_size
+
+
+class UserEGAForCausalLM(EGAForCausalLM):
+    config_class = UserEGAConfig
+
+
+class UserChiarForCausalLM(ChiarForCausalLM):
+    pass
+
+
+@pytest.mark.parametrize("family", ["ega_gpt", "chiar_former"])
+def test_a_user_subclass_saves_as_its_hf_spectral_base(tmp_path, family):
+    """Its checkpoint carries the base's code and loads back as the base, with and without the plugin (as a stock
+    subclass's loads as the stock class); saving had refused the subclass's module after writing config.json."""
+    torch.manual_seed(0)
+    if family == "ega_gpt":
+        model = UserEGAForCausalLM(UserEGAConfig(**FAMILIES["ega_gpt"][0](40, None).to_dict())).eval()
+        base = ("EGAConfig", "EGAForCausalLM")
+    else:
+        model = UserChiarForCausalLM(FAMILIES["chiar_former"][0](40, None)).eval()
+        base = ("ChiarConfig", "ChiarForCausalLM")
+    model.save_pretrained(tmp_path / "saved")
+    auto_map = json.loads((tmp_path / "saved" / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoConfig"].endswith(f".{base[0]}") and auto_map["AutoModelForCausalLM"].endswith(f".{base[1]}")
+    ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+        assert type(reloaded).__name__ == base[1]
+        torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-6, rtol=1e-5)
+    logits, name = load_without_plugin(str(tmp_path / "saved"), "AutoModelForCausalLM", {"input_ids": ids}, tmp_path)
+    assert name.startswith("transformers_modules.") and name.endswith(f".{base[1]}")
+    torch.testing.assert_close(logits, expected, atol=1e-6, rtol=1e-5)
 
 
 def test_refuses_what_it_cannot_save(tmp_path):

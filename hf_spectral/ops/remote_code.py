@@ -109,12 +109,14 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
             raise TypeError(
                 f"save_model_code expects a model, a config or a tokenizer, got {type(model_or_config).__name__}"
             )
-        for cls in dict.fromkeys((type(target), type(config))):
+        config_class = shipped_class(type(config))
+        model_class = None if target is config else shipped_class(type(target))
+        for cls in dict.fromkeys((model_class or config_class, config_class)):
             _source_file(cls)  # refuses transformers' own classes and classes defined outside a file, first
-        model_classes = _model_classes(config, None if target is config else type(target))
-        classes = [type(config), *model_classes.values()]
+        model_classes = _model_classes(config, model_class, config_class)
+        classes = [config_class, *model_classes.values()]
         json_file = save_directory / CONFIG_FILE
-        entries = {"AutoConfig": f"{_module_stem(type(config))}.{type(config).__name__}"}
+        entries = {"AutoConfig": f"{_module_stem(config_class)}.{config_class.__name__}"}
         entries.update({name: f"{_module_stem(cls)}.{cls.__name__}" for name, cls in model_classes.items()})
 
     if not json_file.is_file():
@@ -230,22 +232,33 @@ def auto_class_of(cls) -> str | None:
     return None
 
 
-def _model_classes(config, model_class) -> dict:
-    """Auto class name -> class, for the model classes of ``config``'s class defined in the modeling module."""
+def shipped_class(cls: type) -> type:
+    """The class whose code a checkpoint carries for ``cls``: ``cls`` where hf_spectral defines it (or a checkpoint's
+    remote code does), else its nearest such ancestor. A user's subclass (in a notebook, or in a module importing
+    hf_spectral by name) is saved as its hf_spectral base, which the checkpoint loads back as, as transformers loads
+    a stock subclass's checkpoint as the stock class."""
+    for base in cls.__mro__:
+        if base.__module__.split(".")[0] in ("hf_spectral", "transformers_modules"):
+            return base
+    return cls
+
+
+def _model_classes(config, model_class, config_class) -> dict:
+    """Auto class name -> class, for the model classes of ``config_class`` defined in the modeling module."""
     from transformers import PreTrainedModel
 
     if model_class is not None:
         module = sys.modules[model_class.__module__]
     else:  # a config alone: the modeling module beside its configuration module, or the config's own module
-        module = _sibling_modeling_module(type(config)) or _remote_modeling_module(config)
-        module = module or sys.modules[type(config).__module__]
+        module = _sibling_modeling_module(config_class) or _remote_modeling_module(config, config_class)
+        module = module or sys.modules[config_class.__module__]
     found: dict[str, list] = {}
     for value in vars(module).values():
         if (
             isinstance(value, type)
             and issubclass(value, PreTrainedModel)
             and value.__module__ == module.__name__
-            and _same_class(getattr(value, "config_class", None), type(config))
+            and _same_class(getattr(value, "config_class", None), config_class)
         ):
             auto_name = auto_class_of(value)
             if auto_name is not None:
@@ -258,13 +271,13 @@ def _model_classes(config, model_class) -> dict:
         if len(candidates) > 1:
             names = ", ".join(sorted(cls.__name__ for cls in candidates))
             raise RemoteCodeError(
-                f"{module.__name__} defines several {auto_name} classes for {type(config).__name__}: {names}"
+                f"{module.__name__} defines several {auto_name} classes for {config_class.__name__}: {names}"
             )
         if candidates:
             classes[auto_name] = candidates[0]
     if model_class is not None and not classes:
         raise RemoteCodeError(
-            f"{module.__name__} defines no class for {type(config).__name__} that an Auto class loads (expected "
+            f"{module.__name__} defines no class for {config_class.__name__} that an Auto class loads (expected "
             f"names ending in Model, ForCausalLM / LMHeadModel or ForSequenceClassification with that config_class)"
         )
     return classes
@@ -292,18 +305,18 @@ def _sibling_modeling_module(config_class):
     return importlib.import_module(modeling_name)
 
 
-def _remote_modeling_module(config):
+def _remote_modeling_module(config, config_class):
     """For a config loaded with ``trust_remote_code``: its modeling module. transformers caches each file of a
     checkpoint's code in a folder of its own, so the modeling file is not beside the configuration file: it is the
     loaded module of that name that defines models for this config class, or, where none is loaded, the module the
     config's own ``auto_map`` names, loaded from where the config came from (``None`` if that fails)."""
-    package, _, stem = type(config).__module__.rpartition(".")
+    package, _, stem = config_class.__module__.rpartition(".")
     if not package.startswith("transformers_modules") or not stem.startswith("configuration_"):
         return None
     modeling_stem = stem.replace("configuration_", "modeling_", 1)
     for name, module in list(sys.modules.items()):
         if name.startswith("transformers_modules.") and name.rpartition(".")[2] == modeling_stem and any(
-            isinstance(value, type) and _same_class(getattr(value, "config_class", None), type(config))
+            isinstance(value, type) and _same_class(getattr(value, "config_class", None), config_class)
             for value in vars(module).values()
         ):
             return module
