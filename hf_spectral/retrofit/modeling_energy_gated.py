@@ -243,10 +243,9 @@ class EnergyGatedConfigMixin:
 
     def __reduce_ex__(self, protocol):
         # As for the models: the gated form of a config subclass is made at run time (`gated_config_class`).
-        stock = self.stock_config_class
-        if type(self) is not gated_config_class(family_of_config_class(stock), stock):
+        if type(self) is not gated_form_of_config_class(self.stock_config_class):
             return super().__reduce_ex__(protocol)
-        return _new_gated_config, (stock,), self.__dict__
+        return _new_gated_config, (self.stock_config_class,), self.__dict__
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         with saved_as_family_config(self):
@@ -327,9 +326,14 @@ def gated_config_class(family: Family, config_class: type | None = None) -> type
     return _GATED_CONFIGS[config_class]
 
 
+def gated_form_of_config_class(config_class: type) -> type:
+    """`gated_config_class` of ``config_class`` (a stock config class or a subclass of one), its family found."""
+    return gated_config_class(family_of_config_class(config_class), config_class)
+
+
 def _new_gated_config(config_class: type):
     """An empty instance of the gated form of ``config_class``, for unpickling (its state is set next)."""
-    gated = gated_config_class(family_of_config_class(config_class), config_class)
+    gated = gated_form_of_config_class(config_class)
     return gated.__new__(gated)
 
 
