@@ -81,9 +81,9 @@ def keep_padding_mask_for_generate(attention_mask=None, **kwargs):
     """``create_masks_for_generate`` of the models whose forward needs the 2D padding mask itself: hands it through.
 
     For a ``StaticCache`` generate() builds the attention backend's mask ahead of the forward: a 4D tensor, or a
-    flex_attention ``BlockMask``, from which the padding cannot be read back. The energy gates' statistics skip
-    padding, and the forwards of EGA-GPT and of retrofitted models build the backend's mask from the 2D one
-    themselves (with transformers' mask functions, inside a compiled graph too)."""
+    flex_attention ``BlockMask``, from which the padding cannot be read back. The energy gates' statistics and
+    CHIAR-Former's routing skip padding, and the forwards of EGA-GPT, CHIAR-Former and retrofitted models build the
+    backend's mask from the 2D one themselves (with transformers' mask functions, inside a compiled graph too)."""
     return attention_mask
 
 

@@ -31,13 +31,14 @@ DEFAULT_ROUTED_OPERATORS = ["dct", "attention"]
 DEFAULT_TAU_MID, DEFAULT_TAU_LO, DEFAULT_TAU_HI = 0.86, 0.855, 0.865
 
 # What each layer keeps in a `DynamicCache(config=...)` (transformers' layer types): keys/values for attention,
-# the RBF prefix sums as a recurrent state, nothing for DCT mixing ("moe" is transformers' name for a layer with
-# no sequence-mixing state: it maps to a `DummyLayer`).
+# the RBF prefix sums as a recurrent state. A DCT layer keeps no state but still takes a linear-attention layer,
+# not a `DummyLayer` ("moe"): transformers (5.25 on) reads a cache's length from its first layer, which a DummyLayer
+# cannot answer, and counts a linear-attention layer's tokens (`count_new_tokens` in the modeling file).
 _CACHE_LAYER_TYPES = {
     (True, True): "hybrid",
     (True, False): "full_attention",
     (False, True): "linear_attention",
-    (False, False): "moe",
+    (False, False): "linear_attention",
 }
 
 
@@ -340,10 +341,6 @@ class ChiarConfig(CheckedConfigMixin, PreTrainedConfig):
         for index in range(self.num_hidden_layers):
             ops = self.layer_operator_set(index)
             types.append(_CACHE_LAYER_TYPES[("attention" in ops, "rbf" in ops)])
-        if "full_attention" not in types and "hybrid" not in types:
-            # Without any key/value layer the cache is purely recurrent; generation then needs every layer to
-            # report as linear (a stateless one simply never stores anything).
-            types = ["linear_attention"] * len(types)
         return types
 
 

@@ -28,7 +28,8 @@ cache takes the routes of the forward pass.
 
 Cache (``DynamicCache(config=...)``, layer types from ``config.layer_types``): attention keeps the keys/values of
 every token (a later token routed to attention reads them all), the RBF operator keeps its prefix sums
-Σ φ(k)[v, 1]ᵀ as a recurrent state, DCT mixing keeps nothing. transformers' hybrid cache layers then handle beam
+Σ φ(k)[v, 1]ᵀ as a recurrent state, DCT mixing keeps nothing (but a token count, in a linear-attention layer
+without keys: ``count_new_tokens``). transformers' hybrid cache layers then handle beam
 search reordering; left padding is handled by excluding padding keys from the masks and the prefix sums.
 """
 
@@ -60,6 +61,7 @@ from ...ops.pooling import SequencePooling, classifier_attention_mask
 from ...ops.positions import (
     host_length,
     host_reads_are_free,
+    keep_padding_mask_for_generate,
     new_positions,
     padding_of_causal_mask,
     token_positions,
@@ -241,6 +243,15 @@ def cached_recurrent_state(cache: Cache | None, layer_idx: int) -> torch.Tensor 
     if not layer.is_recurrent_states_initialized[0]:
         return None
     return layer.recurrent_states[0]
+
+
+def count_new_tokens(cache: Cache, layer_idx: int, hidden_states: torch.Tensor) -> None:
+    """Record the new positions in a linear-attention cache layer without keys and values (RBF prefix sums, or
+    nothing: DCT mixing). transformers counts such a layer's tokens (its length, which generation reads from the
+    first layer) through its convolution state, so the layer keeps one of zero channels: it costs nothing, and
+    cropping and beam reordering handle it like any other."""
+    batch, length = hidden_states.shape[:2]
+    cache.update_conv_state(hidden_states.new_empty(batch, 0, length), layer_idx, conv_kernel_size=1)
 
 
 class ChiarRBFMixing(nn.Module):
@@ -690,14 +701,16 @@ class ChiarModel(ChiarPreTrainedModel):
             if layer_type in ("linear_attention", "hybrid") and not isinstance(
                 cache.layers[index], LinearAttentionCacheLayerMixin
             ):
+                kept = "RBF prefix sums" if "rbf" in self.config.layer_operator_set(index) else "a token count"
                 raise ValueError(
-                    f"layer {index} keeps RBF prefix sums in the cache, but the cache's layer {index} is a "
+                    f"layer {index} keeps {kept} in the cache, but the cache's layer {index} is a "
                     f"{type(cache.layers[index]).__name__} that cannot hold them (a cache built without the model's "
                     "config, e.g. by PEFT prefix tuning): create it with `DynamicCache(config=model.config)`"
                 )
-        if any(t in ("full_attention", "hybrid") for t in self.config.layer_types):
-            # A StaticCache's length is a tensor its first layer's update advances in place: keep this call's value.
-            past_length = cache.get_seq_length()
+        key_layers = [i for i, t in enumerate(self.config.layer_types) if t in ("full_attention", "hybrid")]
+        if key_layers:
+            # A StaticCache's length is a tensor its layers' updates advance in place: keep this call's value.
+            past_length = cache.get_seq_length(key_layers[0])
             return past_length.clone() if isinstance(past_length, torch.Tensor) else past_length
         # Only recurrent state: nothing depends on the past length except the mask's shape.
         return attention_mask.shape[1] - length if attention_mask is not None and attention_mask.ndim == 2 else 0
@@ -737,7 +750,7 @@ class ChiarModel(ChiarPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         batch, length = inputs_embeds.shape[:2]
-        if isinstance(attention_mask, dict):  # generate() with a StaticCache: one causal mask per layer type
+        if isinstance(attention_mask, dict):  # transformers' masks per layer type (`create_masks_for_generate`)
             attention_mask = next((m for m in attention_mask.values() if m is not None), None)
         past_length = self._past_length(cache, attention_mask, length)
         # A StaticCache's length is read on the host only where that is free: for the checks and the slicing below.
@@ -787,6 +800,11 @@ class ChiarModel(ChiarPreTrainedModel):
                 fractions.append(routing_fractions(routes, token_valid, len(self.config.routed_operators)))
                 if probs is not None:
                     probabilities.append(probs)
+
+        if cache is not None:
+            for index, layer_type in enumerate(self.config.layer_types):
+                if layer_type == "linear_attention":
+                    count_new_tokens(cache, index, hidden_states)
 
         if not output_routing:
             return ChiarModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
@@ -856,6 +874,8 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
     it adds ``aux_loss`` (the usage regulariser) to the loss whether or not they are returned."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # generate() hands the forward the 2D padding mask for every cache (the routing and the RBF sums read it).
+    create_masks_for_generate = staticmethod(keep_padding_mask_for_generate)
 
     def __init__(self, config: ChiarConfig):
         if not config.is_causal:
@@ -873,12 +893,14 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
 
     def _validate_generation_mode(self, generation_mode, generation_config, *args, **kwargs):
         # transformers refuses a main model whose cache cannot be cropped back after the drafts are verified, but
-        # not a draft model: RBF mixing's prefix sums (linear-attention cache layers) cannot be rolled back.
-        if getattr(generation_config, "is_assistant", False) and {"linear_attention", "hybrid"} & set(
-                self.config.layer_types):
+        # not a draft model: RBF mixing's prefix sums (linear-attention cache layers) cannot be rolled back, and
+        # transformers 5.24 cannot read the length of a cache without attention layers.
+        prefix_sums = any("rbf" in self.config.layer_operator_set(i) for i in range(self.config.num_hidden_layers))
+        no_keys = set(self.config.layer_types) == {"linear_attention"}
+        if getattr(generation_config, "is_assistant", False) and (prefix_sums or no_keys):
             raise ValueError(
                 f"this {type(self).__name__} cannot be an assistant_model: its cache holds RBF mixing's prefix sums "
-                "(or only recurrent layers), which cannot be cropped back after the drafts are verified. Use a "
+                "(or it has no attention layer), which cannot be cropped back after the drafts are verified. Use a "
                 "draft model whose layers are DCT mixing and attention"
             )
         return super()._validate_generation_mode(generation_mode, generation_config, *args, **kwargs)

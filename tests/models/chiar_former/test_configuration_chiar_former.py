@@ -32,10 +32,11 @@ def test_default_layout_follows_the_depth():
 
 def test_cache_layer_types_follow_the_operators():
     config = tiny_config(routed_operators=["dct", "rbf", "attention"])
-    assert config.layer_types == ["moe", "hybrid", "hybrid", "full_attention"]
+    assert config.layer_types == ["linear_attention", "hybrid", "hybrid", "full_attention"]
     assert tiny_config(layer_operators=["dct", "rbf", "attention", "routed"]).layer_types == [
-        "moe", "linear_attention", "full_attention", "full_attention"
+        "linear_attention", "linear_attention", "full_attention", "full_attention"
     ]
+    # A DCT layer keeps no state, but not a DummyLayer ("moe"): transformers reads the cache's length from layer 0.
     # Without any attention the cache is purely recurrent (generation then runs the linear-cache path).
     assert tiny_config(layer_operators=["dct", "rbf"], num_hidden_layers=2).layer_types == ["linear_attention"] * 2
 

@@ -562,16 +562,19 @@ def test_generate_with_cache_matches_the_uncached_forward(variant, cache_impleme
 
 
 def test_a_draft_model_gives_the_greedy_tokens_unless_its_cache_cannot_be_cropped():
-    """Assisted decoding crops the draft's cache back to the accepted tokens: a DCT / attention draft gives the
-    greedy tokens; a draft with RBF mixing (prefix sums) or only recurrent layers is refused (it had failed inside
-    transformers' cache with a TypeError)."""
+    """Assisted decoding crops the draft's cache back to the accepted tokens: a draft of DCT and attention layers
+    gives the greedy tokens; a draft with RBF mixing (prefix sums) or without attention is refused (it had failed
+    inside transformers' cache with a TypeError)."""
     ids = random_ids(1, 8, seed=11)
     model = build(ChiarForCausalLM, tiny_config(**CAUSAL_VARIANTS["hard-2"]), calibrate_on=ids)
     greedy = model.generate(ids, max_new_tokens=8, do_sample=False)
-    draft = build(ChiarForCausalLM, tiny_config(num_hidden_layers=1, layer_operators=["attention"]))
-    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=draft), greedy)
-    for layer_operators in (["rbf"], ["dct"]):
-        draft = build(ChiarForCausalLM, tiny_config(num_hidden_layers=1, layer_operators=layer_operators))
+    for layer_operators in (["attention"], ["dct", "attention"]):
+        config = tiny_config(num_hidden_layers=len(layer_operators), layer_operators=layer_operators)
+        draft = build(ChiarForCausalLM, config)
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=draft), greedy)
+    for layer_operators in (["rbf"], ["dct"], ["rbf", "attention"]):
+        config = tiny_config(num_hidden_layers=len(layer_operators), layer_operators=layer_operators)
+        draft = build(ChiarForCausalLM, config)
         with pytest.raises(ValueError, match="cannot be an assistant_model"):
             model.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=draft)
 
