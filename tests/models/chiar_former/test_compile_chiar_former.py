@@ -61,15 +61,17 @@ def test_explain_finds_no_graph_break_in_a_routed_forward():
     assert explanation.graph_count == 1
 
 
-def test_a_static_cache_decoding_step_is_one_graph_and_matches_eager():
+@pytest.mark.parametrize("first_layer", ["attention", "dct"])
+def test_a_static_cache_decoding_step_is_one_graph_and_matches_eager(first_layer):
     """A StaticCache keeps its length on the device: position ids, the new tokens' padding and the routed queries'
-    slots are indexed with it, never read on the host; the compiled step (aot_eager, fullgraph) gives eager's logits."""
+    slots are indexed with it, never read on the host; the compiled step (aot_eager, fullgraph) gives eager's logits.
+    A DCT layer's cache layer (a linear-attention one, counting the tokens) compiles into the same graph."""
     from transformers import StaticCache
 
     ids = random_ids(2, 10, seed=34)
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[0, :2] = 0
-    model = build(ChiarForCausalLM, tiny_config(layer_operators=["attention", "routed"], num_hidden_layers=2),
+    model = build(ChiarForCausalLM, tiny_config(layer_operators=[first_layer, "routed"], num_hidden_layers=2),
                   calibrate_on=ids).eval()
     def prefilled():
         cache = StaticCache(config=model.config, max_cache_len=16)
