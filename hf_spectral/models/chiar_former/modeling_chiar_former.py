@@ -42,6 +42,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -892,12 +893,18 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
         self.model.embed_tokens = value
 
     def _validate_generation_mode(self, generation_mode, generation_config, *args, **kwargs):
-        # transformers refuses a main model whose cache cannot be cropped back after the drafts are verified, but
-        # not a draft model: RBF mixing's prefix sums (linear-attention cache layers) cannot be rolled back, and
-        # transformers 5.24 cannot read the length of a cache without attention layers.
+        # Assisted decoding (a draft model, or prompt lookup) crops the caches back to the accepted tokens. RBF
+        # mixing's prefix sums cannot be rolled back: transformers 5.24 refuses such a main model itself, 5.25 would
+        # crop them wrongly; neither refuses such a draft. Nor can transformers 5.24 read the length of a draft's cache
+        # without attention layers.
         prefix_sums = any("rbf" in self.config.layer_operator_set(i) for i in range(self.config.num_hidden_layers))
-        no_keys = set(self.config.layer_types) == {"linear_attention"}
-        if getattr(generation_config, "is_assistant", False) and (prefix_sums or no_keys):
+        is_draft = getattr(generation_config, "is_assistant", False)
+        if prefix_sums and generation_mode == GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(
+                f"this {type(self).__name__} cannot generate with an assistant_model or prompt lookup: its cache holds "
+                "RBF mixing's prefix sums, which cannot be cropped back after the drafts are verified"
+            )
+        if is_draft and (prefix_sums or set(self.config.layer_types) == {"linear_attention"}):
             raise ValueError(
                 f"this {type(self).__name__} cannot be an assistant_model: its cache holds RBF mixing's prefix sums "
                 "(or it has no attention layer), which cannot be cropped back after the drafts are verified. Use a "
