@@ -82,6 +82,13 @@ def fold_bias_into_kv(
     return key, torch.cat([value, _zero_padded(aux, width - head_dim)], dim=-1)
 
 
+def no_static_cache_init_shape(model) -> None:
+    """``_get_static_cache_init_shape`` of energy-gated models: ``None``, so that generate() lets a ``StaticCache``
+    allocate each layer at its first write. (With ``prefill_chunk_size`` it would otherwise allocate every layer at
+    the model's head size, where a gated layer stores its keys and values folded, wider by the bias and gate state.)"""
+    return None
+
+
 def _cache_layer(cache, layer_idx: int):
     """Layer ``layer_idx`` of a KV cache, or ``None`` (no cache, or a layer it has not created yet)."""
     return cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
@@ -452,6 +459,7 @@ __all__ = [
     "fold_bias_into_kv",
     "folded_attention",
     "folded_head_size",
+    "no_static_cache_init_shape",
     "pad_query_for_bias",
     "projection_dtype",
     "replace_folded_bias",

@@ -744,7 +744,9 @@ def test_prompt_lookup_and_chunked_prefill_give_the_greedy_tokens_and_are_refuse
     randomise_gates(model)
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # repeats, so that prompt lookup proposes drafts
     greedy = model.generate(ids, max_new_tokens=8, do_sample=False)
-    for option in ({"prompt_lookup_num_tokens": 3}, {"prefill_chunk_size": 4}):  # drafts; the prompt in 3 calls
+    # Drafts; the prompt in 3 calls (into a StaticCache too, which generate() would allocate ahead at the head size)
+    for option in ({"prompt_lookup_num_tokens": 3}, {"prefill_chunk_size": 4},
+                   {"prefill_chunk_size": 4, "cache_implementation": "static"}):
         if normalization == "window":
             with pytest.raises(ValueError, match="window statistics"):
                 model.generate(ids, max_new_tokens=8, do_sample=False, **option)

@@ -785,7 +785,8 @@ class ChiarModel(ChiarPreTrainedModel):
 
         hidden_states = self.dropout(inputs_embeds)
         decisions, entropies, fractions, probabilities = [], [], [], []
-        for layer in self.layers:
+        # Early-exit drafting (`assistant_early_exit`) lowers num_hidden_layers: run that many layers.
+        for layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, routes, entropy, probs = layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
@@ -901,8 +902,8 @@ class ChiarForCausalLM(ChiarPreTrainedModel, GenerationMixin):
         is_draft = getattr(generation_config, "is_assistant", False)
         if prefix_sums and generation_mode == GenerationMode.ASSISTED_GENERATION:
             raise ValueError(
-                f"this {type(self).__name__} cannot generate with an assistant_model or prompt lookup: its cache holds "
-                "RBF mixing's prefix sums, which cannot be cropped back after the drafts are verified"
+                f"this {type(self).__name__} cannot generate with an assistant_model, early exit or prompt lookup: its "
+                "cache holds RBF mixing's prefix sums, which cannot be cropped back after the drafts are verified"
             )
         if is_draft and (prefix_sums or set(self.config.layer_types) == {"linear_attention"}):
             raise ValueError(

@@ -41,6 +41,7 @@ from ...ops.gated_attention import (
     flex_attention_forward,
     folded_attention,
     implementation_for_call,
+    no_static_cache_init_shape,
     stored_dtype,
     write_folded_kv,
 )
@@ -379,7 +380,8 @@ class EGAModel(EGAPreTrainedModel):
             position_ids=position_ids,
         )
         hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
-        for block in self.h:
+        # Early-exit drafting (`assistant_early_exit`) lowers num_hidden_layers: run that many blocks.
+        for block in self.h[: self.config.num_hidden_layers]:
             hidden_states = block(
                 hidden_states, attention_mask=causal_mask, token_mask=token_mask, cache=cache, **kwargs
             )
@@ -392,8 +394,10 @@ class EGAForCausalLM(EGAPreTrainedModel, GenerationMixin):
     values (``gate_values``, as `EGAModel`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.wte.weight"}
-    # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none).
+    # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none), and
+    # each layer is allocated at its first write (its keys and values are folded, wider than the head size).
     create_masks_for_generate = staticmethod(keep_padding_mask_for_generate)
+    _get_static_cache_init_shape = no_static_cache_init_shape
 
     def __init__(self, config: EGAConfig):
         super().__init__(config)

@@ -579,17 +579,19 @@ def test_a_draft_model_gives_the_greedy_tokens_unless_its_cache_cannot_be_croppe
             model.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=draft)
 
 
-@pytest.mark.parametrize("assistance", ["draft", "prompt lookup"])
+@pytest.mark.parametrize("assistance", ["draft", "early exit", "prompt lookup"])
 def test_a_model_with_prefix_sums_refuses_assisted_decoding(assistance):
     """The main model's cache is cropped back too when drafts are rejected: RBF mixing's prefix sums cannot be
     (transformers 5.25 crops them to a wrong state, or fails inside its cache), so such a model refuses to generate
-    with an assistant_model or prompt lookup. Without RBF layers both give the greedy tokens."""
+    with an assistant_model, early exit (its first layers as the draft) or prompt lookup. Without RBF layers each
+    gives the greedy tokens."""
     ids = random_ids(1, 8, seed=0)
     ids = torch.cat([ids, ids[:, :4], ids[:, 1:6]], 1)  # repeated n-grams: prompt lookup finds drafts to verify
     draft = build(ChiarForCausalLM, tiny_config(num_hidden_layers=2, layer_operators=["dct", "attention"]))
-    assist = dict(assistant_model=draft) if assistance == "draft" else dict(prompt_lookup_num_tokens=2)
+    assist = {"draft": dict(assistant_model=draft), "early exit": dict(assistant_early_exit=2),
+              "prompt lookup": dict(prompt_lookup_num_tokens=2)}[assistance]
     with_sums = build(ChiarForCausalLM, tiny_config(routed_operators=["dct", "rbf", "attention"]), calibrate_on=ids)
-    with pytest.raises(ValueError, match="cannot generate with an assistant_model or prompt lookup"):
+    with pytest.raises(ValueError, match="cannot generate with an assistant_model, early exit or prompt lookup"):
         with_sums.generate(ids, max_new_tokens=8, do_sample=False, **assist)
     without = build(ChiarForCausalLM, tiny_config(), calibrate_on=ids)
     greedy = without.generate(ids, max_new_tokens=8, do_sample=False)

@@ -341,14 +341,16 @@ def test_static_cache_generation_under_flex_attention_keeps_the_padding():
 
 @pytest.mark.parametrize("normalization", ["causal", "window"])
 def test_drafts_and_chunked_prefill_give_the_greedy_tokens_and_are_refused_under_window_statistics(normalization):
-    # Assisted and prompt-lookup decoding verify several drafts in one cached call, a chunked prefill runs the prompt
-    # in several: causal gates give each position what plain decoding gives; window gates would see the later
-    # drafts, or miss the later chunks.
+    # Assisted, early-exit and prompt-lookup decoding verify several drafts in one cached call, a chunked prefill
+    # runs the prompt in several (with a StaticCache, generate() would allocate it ahead at the head size, where the
+    # gated layers store folded keys): causal gates give each position what plain decoding gives; window gates would
+    # see the later drafts, or miss the later chunks.
     model = tiny_model("EGA-1", energy_normalization=normalization)
     ids = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
     greedy = model.generate(ids, max_new_tokens=10, do_sample=False)
     for assistance in ({"assistant_model": tiny_model("EGA-1", seed=1)}, {"prompt_lookup_num_tokens": 3},
-                       {"prefill_chunk_size": 3}):
+                       {"assistant_early_exit": 1}, {"prefill_chunk_size": 3},
+                       {"prefill_chunk_size": 3, "cache_implementation": "static"}):
         if normalization == "window":
             with pytest.raises(ValueError, match="window statistics"):
                 model.generate(ids, max_new_tokens=10, do_sample=False, **assistance)
