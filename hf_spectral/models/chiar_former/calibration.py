@@ -179,8 +179,9 @@ def calibrate_thresholds(
             differently).
 
     Returns ``{"thresholds": {layer index: [τ...]}, "percentiles": [...], "passes": n}``; the model routes with the
-    new thresholds from its next forward pass on. When a pass fails, the config's thresholds are restored before the
-    error propagates.
+    new thresholds from its next forward pass on (as does every model sharing this config object: copy the config
+    first to calibrate one of them alone). When a pass fails, the config's thresholds are restored before the error
+    propagates.
     """
     config = model.config
     if config.router_type != "threshold":
