@@ -698,13 +698,12 @@ class ChiarModel(ChiarPreTrainedModel):
                 f"the cache has {len(cache.layers)} layers, the model {self.config.num_hidden_layers}: create it with "
                 "`DynamicCache(config=model.config)` so that each layer gets the state its operator needs"
             )
-        for index, layer_type in enumerate(self.config.layer_types):
-            if layer_type in ("linear_attention", "hybrid") and not isinstance(
+        for index in range(self.config.num_hidden_layers):
+            if "rbf" in self.config.layer_operator_set(index) and not isinstance(
                 cache.layers[index], LinearAttentionCacheLayerMixin
             ):
-                kept = "RBF prefix sums" if "rbf" in self.config.layer_operator_set(index) else "a token count"
                 raise ValueError(
-                    f"layer {index} keeps {kept} in the cache, but the cache's layer {index} is a "
+                    f"layer {index} keeps RBF prefix sums in the cache, but the cache's layer {index} is a "
                     f"{type(cache.layers[index]).__name__} that cannot hold them (a cache built without the model's "
                     "config, e.g. by PEFT prefix tuning): create it with `DynamicCache(config=model.config)`"
                 )
@@ -805,7 +804,8 @@ class ChiarModel(ChiarPreTrainedModel):
 
         if cache is not None:
             for index, layer_type in enumerate(self.config.layer_types):
-                if layer_type == "linear_attention":
+                # (A DCT layer also runs with another cache layer: PEFT prefix tuning's, built without the config.)
+                if layer_type == "linear_attention" and isinstance(cache.layers[index], LinearAttentionCacheLayerMixin):
                     count_new_tokens(cache, index, hidden_states)
 
         if not output_routing:

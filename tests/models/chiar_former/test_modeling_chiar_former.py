@@ -511,6 +511,22 @@ def test_a_cache_without_room_for_prefix_sums_is_refused_by_name():
         prefixed(input_ids=ids, labels=ids)
 
 
+def test_prefix_tuning_trains_a_model_without_prefix_sums():
+    """Without RBF layers PEFT prefix tuning's cache (built without the config) serves: its virtual keys reach the
+    attention layers (the loss moves with them and their gradient is nonzero), its DCT layers' cache layers are
+    left alone."""
+    from peft import PrefixTuningConfig, get_peft_model
+
+    model = build(ChiarForCausalLM, tiny_config())
+    prefixed = get_peft_model(model, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    ids = random_ids(2, 12, seed=5)
+    loss = prefixed(input_ids=ids, labels=ids).loss
+    loss.backward()
+    (prompt,) = [p for p in prefixed.parameters() if p.requires_grad]
+    assert prompt.grad is not None and prompt.grad.abs().sum() > 0
+    assert not torch.isclose(loss, model(ids, labels=ids).loss)
+
+
 def test_cache_must_be_built_from_the_config():
     model = build(ChiarForCausalLM, tiny_config())
     with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
