@@ -28,9 +28,9 @@ cache takes the routes of the forward pass.
 
 Cache (``DynamicCache(config=...)``, layer types from ``config.layer_types``): attention keeps the keys/values of
 every token (a later token routed to attention reads them all), the RBF operator keeps its prefix sums
-Σ φ(k)[v, 1]ᵀ as a recurrent state, DCT mixing keeps nothing (but a token count, in a linear-attention layer
-without keys: ``count_new_tokens``). transformers' hybrid cache layers then handle beam
-search reordering; left padding is handled by excluding padding keys from the masks and the prefix sums.
+Σ φ(k)[v, 1]ᵀ as a recurrent state, DCT mixing keeps nothing but the token count of its linear-attention cache layer
+(``count_new_tokens``). transformers' hybrid cache layers then handle beam search reordering; left padding is
+handled by excluding padding keys from the masks and the prefix sums.
 """
 
 from collections.abc import Callable
