@@ -41,7 +41,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -707,10 +707,10 @@ class ChiarModel(ChiarPreTrainedModel):
                     f"{type(cache.layers[index]).__name__} that cannot hold them (a cache built without the model's "
                     "config, e.g. by PEFT prefix tuning): create it with `DynamicCache(config=model.config)`"
                 )
-        key_layers = [i for i, t in enumerate(self.config.layer_types) if t in ("full_attention", "hybrid")]
-        if key_layers:
+        key_layer = next((i for i, t in enumerate(self.config.layer_types) if t in ("full_attention", "hybrid")), None)
+        if key_layer is not None:
             # A StaticCache's length is a tensor its layers' updates advance in place: keep this call's value.
-            past_length = cache.get_seq_length(key_layers[0])
+            past_length = cache.get_seq_length(key_layer)
             return past_length.clone() if isinstance(past_length, torch.Tensor) else past_length
         # Only recurrent state: nothing depends on the past length except the mask's shape.
         return attention_mask.shape[1] - length if attention_mask is not None and attention_mask.ndim == 2 else 0
@@ -802,10 +802,9 @@ class ChiarModel(ChiarPreTrainedModel):
                 if probs is not None:
                     probabilities.append(probs)
 
-        if cache is not None:
-            for index, layer_type in enumerate(self.config.layer_types):
-                # (A DCT layer also runs with another cache layer: PEFT prefix tuning's, built without the config.)
-                if layer_type == "linear_attention" and isinstance(cache.layers[index], LinearAttentionCacheLayerMixin):
+        if cache is not None:  # the linear-attention layers without keys (PEFT prefix tuning's cache has none)
+            for index, layer in enumerate(cache.layers[: self.config.num_hidden_layers]):
+                if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin):
                     count_new_tokens(cache, index, hidden_states)
 
         if not output_routing:
