@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+import transformers
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.hf_api import RepoUrl
 from safetensors.torch import load_file
@@ -384,6 +385,24 @@ def test_stop_after_steps_leaves_a_checkpoint_to_resume(tiny_shakespeare, tmp_pa
     assert "complete already" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="\\(learning_rate: .* there, 0.01 now\\)"):
         tinyshakespeare.main(arguments + ["--learning_rate", "1e-2"])
+
+
+def test_torchrun_processes_train_on_the_cpu_when_torch_is_a_cuda_build_without_a_gpu(monkeypatch, tmp_path):
+    # PyPI's torch is a CUDA build: on a machine without a GPU it still names CUDA as its accelerator. The processes
+    # of a torchrun must then be told to use the CPU, or accelerate leaves each of them training alone.
+    from training.common import presets
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(presets, "world_size", lambda: 2)
+    # The arguments as given: TrainingArguments' __post_init__ would start the process group of a real run
+    monkeypatch.setattr(transformers.TrainingArguments, "__post_init__", lambda self: None)
+    assert not presets.has_accelerator()
+    preset = LMPreset("test", num_hidden_layers=1, num_attention_heads=1, hidden_size=8, context_length=8,
+                      batch_size=4, max_steps=1, warmup_steps=0)
+    arguments = presets.training_arguments(preset, str(tmp_path), seed=0)
+    assert arguments.use_cpu is True and arguments.ddp_backend == "gloo"
+    assert arguments.per_device_train_batch_size == 2
 
 
 def test_the_recipe_runs_under_torchrun_with_two_cpu_processes(tiny_shakespeare, tmp_path):

@@ -85,10 +85,11 @@ def world_size() -> int:
 
 
 def has_accelerator() -> bool:
-    """Whether torch sees an accelerator (CUDA, XPU, MPS, ...) that accelerate would train on."""
+    """Whether torch sees an accelerator (CUDA, XPU, MPS, ...) that accelerate would train on: one present at run
+    time. (A CUDA build of torch names CUDA as its accelerator on a machine without a GPU too.)"""
     import torch
 
-    return torch.accelerator.current_accelerator() is not None
+    return torch.accelerator.is_available()
 
 
 def training_arguments(preset: LMPreset, output_dir: str, seed: int, **overrides):
