@@ -16,6 +16,10 @@ from .positions import padding_of_causal_mask, token_positions
 
 logger = logging.get_logger(__name__)
 
+# Whether a compiled graph keeps torch._assert_async: torch 2.6 to 2.8 compiled the unfitted rmt_optimal check away
+# (measured), so there a compiled head reads its weights on the host (a graph break) rather than run unchecked.
+IN_GRAPH_ASSERTIONS_FIRE = torch.__version__ >= "2.9"
+
 # The one list of pooling modes: the models' configs check `classifier_pooling` against it.
 POOLING_MODES = ("last", "mean", "learned", "rmt_optimal")
 
@@ -103,8 +107,8 @@ class SequencePooling(nn.Module):
         """Refuse an unfitted ``rmt_optimal`` head. The weights are read on the host when they are new or changed
         since the last check (installed, loaded, moved), not at every call: on a device each read would wait for
         it. A compiled graph cannot read them: it asserts on the device instead (a RuntimeError on CPU, a
-        device-side assertion on a GPU)."""
-        if torch.compiler.is_compiling():
+        device-side assertion on a GPU) where torch keeps the assertion (``IN_GRAPH_ASSERTIONS_FIRE``)."""
+        if torch.compiler.is_compiling() and IN_GRAPH_ASSERTIONS_FIRE:
             torch._assert_async(self._fitted(), UNFITTED_MESSAGE)
             return
         weights = self.position_weights

@@ -23,8 +23,9 @@ def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
 def full_precision(tensor: torch.Tensor):
     """A block in which ``torch.autocast`` (for ``tensor``'s device) is off: inside autocast, matmul-class ops
     (``@``, ``einsum``, ``linear``) cast float32 inputs back down to 16 bits, so ``at_least_float32`` alone would give
-    a float32 result of 16-bit precision. (A device without autocast, e.g. ``meta``, gets an empty block.)"""
-    if not torch.amp.is_autocast_available(tensor.device.type):
+    a float32 result of 16-bit precision. (A device without autocast, e.g. ``meta``, gets an empty block; a compiled
+    graph does not ask, as torch 2.10's Dynamo cannot trace the question, and runs on a device that has autocast.)"""
+    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(tensor.device.type):
         return contextlib.nullcontext()
     return torch.autocast(tensor.device.type, enabled=False)
 

@@ -84,8 +84,8 @@ class AttentionConfigView:
     """A gated attention module's view of the model config: identical, except that the attention
     implementation resolves to the energy-gated wrapper of whatever the model currently uses."""
 
-    __slots__ = ("config",)
-
+    # No __slots__: the view keeps an instance __dict__ of its own, which torch.compile's guards read (through the
+    # __getattr__ below a slotted view answered with the config's __dict__, and torch 2.10's guard check failed on it)
     def __init__(self, config):
         object.__setattr__(self, "config", config)
 

@@ -754,6 +754,18 @@ def test_prompt_lookup_and_chunked_prefill_give_the_greedy_tokens_and_are_refuse
             assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, **option), greedy)
 
 
+def test_a_gated_attention_reads_the_model_config_through_a_view_with_its_own_instance_dict(tmp_path):
+    """torch.compile guards on the __dict__ of the attention module's config: a view without one of its own (slots,
+    with attribute reads forwarded to the config) answered with the config's, and torch 2.10's guards failed on it
+    ('Guard failed on the same frame it was created')."""
+    model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g"))
+    add_energy_gates(model)
+    view = model.transformer.h[0].attn.config
+    assert vars(view) == {"config": model.config}
+    assert view._attn_implementation != model.config._attn_implementation  # the gated wrapper's name
+    assert view.n_embd == model.config.n_embd
+
+
 @pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
 def test_a_compiled_retrofitted_gpt2_trains_and_infers_like_eager(tmp_path):
     """torch.compile of a retrofitted GPT-2: forward logits (atol 1e-5, rtol 1e-5) and one training step's gradients

@@ -707,10 +707,11 @@ class ChiarModel(ChiarPreTrainedModel):
                     f"{type(cache.layers[index]).__name__} that cannot hold them (a cache built without the model's "
                     "config, e.g. by PEFT prefix tuning): create it with `DynamicCache(config=model.config)`"
                 )
-        key_layer = next((i for i, t in enumerate(self.config.layer_types) if t in ("full_attention", "hybrid")), None)
-        if key_layer is not None:
+        # (a list, not next() over a generator: torch 2.8's Dynamo breaks the graph on that)
+        key_layers = [i for i, t in enumerate(self.config.layer_types) if t in ("full_attention", "hybrid")]
+        if key_layers:
             # A StaticCache's length is a tensor its layers' updates advance in place: keep this call's value.
-            past_length = cache.get_seq_length(key_layer)
+            past_length = cache.get_seq_length(key_layers[0])
             return past_length.clone() if isinstance(past_length, torch.Tensor) else past_length
         # Only recurrent state: nothing depends on the past length except the mask's shape.
         return attention_mask.shape[1] - length if attention_mask is not None and attention_mask.ndim == 2 else 0
