@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import torch
+from transformers.utils import is_torch_greater_or_equal
 
 # Runs in a fresh interpreter where `import hf_spectral` fails, as on a machine without the plugin.
 _REMOTE_LOAD_SCRIPT = textwrap.dedent(
@@ -110,7 +111,7 @@ INDUCTOR_SKIP_REASON = (
 # transformers 5.25 builds the DynamicCache of a forward called with use_cache=True through code that torch's Dynamo
 # traces without a graph break only from torch 2.9 on (on torch 2.8 a stock GPT-2's forward breaks twice there). On
 # an older torch the tests that count graph breaks count them in the model's own code: in forwards without a cache.
-DYNAMO_TRACES_CACHE_CREATION = torch.__version__ >= "2.9"
+DYNAMO_TRACES_CACHE_CREATION = is_torch_greater_or_equal("2.9", accept_dev=True)
 CACHE_FREE_ON_OLD_DYNAMO = {} if DYNAMO_TRACES_CACHE_CREATION else {"use_cache": False}
 
 

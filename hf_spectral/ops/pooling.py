@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from transformers.utils import logging
+from transformers.utils import is_torch_greater_or_equal, logging
 
 from .positions import padding_of_causal_mask, token_positions
 
@@ -18,7 +18,7 @@ logger = logging.get_logger(__name__)
 
 # Whether a compiled graph keeps torch._assert_async: torch 2.6 to 2.8 compiled the unfitted rmt_optimal check away
 # (measured), so there a compiled head reads its weights on the host (a graph break) rather than run unchecked.
-IN_GRAPH_ASSERTIONS_FIRE = torch.__version__ >= "2.9"
+IN_GRAPH_ASSERTIONS_FIRE = is_torch_greater_or_equal("2.9", accept_dev=True)
 
 # The one list of pooling modes: the models' configs check `classifier_pooling` against it.
 POOLING_MODES = ("last", "mean", "learned", "rmt_optimal")
