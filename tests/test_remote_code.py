@@ -674,3 +674,58 @@ def test_the_declared_transformers_floor_is_the_one_the_code_checks():
     floor = re.search(r"^\s*transformers>=([\d.]+),<6\s*$", setup_cfg, re.MULTILINE)
     assert floor is not None, "setup.cfg must declare transformers>=X,<6"
     assert Version(floor.group(1)) == Version(remote_code.MINIMUM_TRANSFORMERS)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A saved config loads back equal to itself (transformers' ConfigTester checks)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _tiny_gated_config(family: str):
+    stock = {
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2)),
+        "llama": _tiny_llama,
+        "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2)),
+        "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2)),
+    }[family]()
+    return add_energy_gates(stock, EnergyGateConfig(normalization="causal", layers=[0])).config
+
+
+CONFIGS = {
+    "EGAConfig": lambda: EGAConfig.from_variant("EGA-M", hidden_size=32, num_attention_heads=2),
+    "ChiarConfig": lambda: ChiarConfig(hidden_size=32, num_attention_heads=2, routed_operators=["dct", "attention"]),
+    **{f"EnergyGated-{family}": (lambda family=family: _tiny_gated_config(family))
+       for family in ("gpt2", "llama", "mistral", "qwen2")},
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_saved_config_loads_back_equal_to_itself(tmp_path, name):
+    config = CONFIGS[name]()
+    config.save_pretrained(tmp_path)
+    for loaded in (type(config).from_pretrained(tmp_path), transformers.AutoConfig.from_pretrained(tmp_path)):
+        assert type(loaded) is type(config)
+        # AutoConfig records the folder it read (a stock config's too): the one key the save cannot know.
+        if loaded._name_or_path == str(tmp_path):
+            loaded._name_or_path = config._name_or_path
+        assert loaded.to_dict() == config.to_dict()
+        assert loaded.to_diff_dict() == config.to_diff_dict()
+        assert loaded.to_json_string() == config.to_json_string()
+    # The object holds what its file says, the auto_map included, and saving it again writes the same file.
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"] == config.auto_map
+    config.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / "config.json").read_text() == (tmp_path / "config.json").read_text()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_saved_model_loads_back_with_an_equal_config(tmp_path, name):
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]())
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is type(model)
+    expected = {**model.config.to_dict(), "_name_or_path": str(tmp_path)}  # from_pretrained records its folder
+    assert loaded.config.to_dict() == expected

@@ -81,7 +81,8 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
     * model or config: copies the configuration and modeling files (the modeling file of a config is the
       ``modeling_*.py`` file beside its ``configuration_*.py``, when there is one), the files they import, and sets
       ``auto_map`` in ``config.json`` to ``AutoConfig`` plus ``AutoModel``, ``AutoModelForCausalLM`` and
-      ``AutoModelForSequenceClassification`` for each such class the modeling file defines for this config class;
+      ``AutoModelForSequenceClassification`` for each such class the modeling file defines for this config class,
+      and sets the same ``auto_map`` on the config object, so that it equals the config loaded back;
     * tokenizer: copies the tokenizer's file (and what it imports) and sets ``auto_map["AutoTokenizer"]`` in
       ``tokenizer_config.json`` as transformers writes it (``[slow class, fast class]``).
 
@@ -147,6 +148,10 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
     values["auto_map"] = auto_map
     write_text_atomically(json_file, json.dumps(values, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     written.append(str(json_file))
+    if not _is_tokenizer(target):
+        # As transformers' own custom-code save does: the config holds what its file says, so that it equals the
+        # config loaded back from the folder.
+        config.auto_map = auto_map
     return written
 
 
