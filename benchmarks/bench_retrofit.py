@@ -76,7 +76,7 @@ def main(argv=None):
     verdict = [
         f"- {row['measurement']}: {row['ratio_vs_original']:.3f}× (target ≥ 0.97) "
         + ("met" if row["ratio_vs_original"] >= 0.97 else
-           f"MISSED, short by {100 * (0.97 - row['ratio_vs_original']):.1f} points: "
+           f"MISSED, short by {100 * (0.97 - row['ratio_vs_original']):.2f} points: "
            + reasons.get(row["measurement"], "under SDPA the folded head (D + 1 channels: torch's CPU flash kernel "
                          f"alone runs it at {kernel_ratio:.3f}× the speed of D, the sdpa_kernel_forward row), its "
                          "copies, and the gate's energies, moments and log-sigmoid per layer"))

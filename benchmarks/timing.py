@@ -64,6 +64,29 @@ def folded_head_kernels(batch: int, heads: int, length: int, head_dim: int, back
     return {f"head_{head_dim}": kernel(head_dim), f"head_{head_dim + 1}": kernel(head_dim + 1)}
 
 
+def flex_key_bias_kernels(batch: int, heads: int, length: int, head_dim: int, seed: int = 0) -> dict:
+    """The causal flex_attention call EGA-GPT makes under ``attn_implementation="flex_attention"`` (on CPU: the
+    kernel compiled for static shapes), alone, forward only, plain and with the gate's ``score_mod`` adding a key
+    bias: ``{"flex_plain": step, "flex_key_bias": step}``, on random inputs."""
+    import torch
+
+    from hf_spectral.ops.gated_attention import flex_attention_with_key_bias
+
+    generator = torch.Generator().manual_seed(seed)
+    module = torch.nn.Module().eval()  # the call reads the module's `is_causal` (default) and grouping only
+    q, k, v = (torch.randn(batch, heads, length, head_dim, generator=generator) for _ in range(3))
+    bias = torch.nn.functional.logsigmoid(torch.randn(batch, heads, length, generator=generator))
+
+    def kernel(key_bias):
+        @torch.no_grad()
+        def step():
+            return flex_attention_with_key_bias(module, q, k, v, key_bias, None, head_dim**-0.5)[0]
+
+        return step
+
+    return {"flex_plain": kernel(None), "flex_key_bias": kernel(bias)}
+
+
 def peak_rss_growth_mib(step) -> float:
     """Peak resident-memory growth (MiB) of running ``step()`` twice; call in a fresh process for a clean figure."""
     import os
