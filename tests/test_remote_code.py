@@ -527,6 +527,53 @@ def test_an_interrupted_save_leaves_the_previous_files_whole(tmp_path, monkeypat
             assert (tmp_path / name).read_bytes() == content
 
 
+def _folder_bytes(folder: Path) -> dict:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+def test_a_save_that_fails_midway_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+    causal = EGAForCausalLM(EGAConfig.from_variant("EGA-1", vocab_size=40, hidden_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2)).eval()
+    causal.save_pretrained(folder)
+    (folder / "notes.txt").write_text("the user's own file")
+    before = _folder_bytes(folder)
+    window = EGAForCausalLM(EGAConfig.from_variant("EGA-1", vocab_size=40, hidden_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, energy_normalization="window"))
+
+    def full_disk(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)  # fails writing the weights
+    with pytest.raises(OSError, match="No space left"):
+        window.save_pretrained(folder)
+    with pytest.raises(OSError, match="No space left"):
+        window.save_pretrained(tmp_path / "new" / "model")
+    monkeypatch.undo()
+
+    assert _folder_bytes(folder) == before  # nothing written, nothing left behind (no staging folder)
+    assert not (tmp_path / "new").exists()  # the folders the failed save created are gone
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert loaded.config.energy_normalization == "causal"
+    input_ids = torch.randint(0, 40, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids).logits, causal(input_ids).logits)
+
+
+def test_a_new_save_replaces_the_weights_files_of_the_earlier_one(tmp_path):
+    model = EGAForCausalLM(EGAConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2))
+    model.save_pretrained(tmp_path, max_shard_size="20KB")  # sharded, with an index
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # not a weights file: stays
+    model.save_pretrained(tmp_path)
+    names = sorted(path.name for path in tmp_path.iterdir())
+    assert [name for name in names if "safetensors" in name] == ["model.safetensors"]
+    assert "tokenizer_config.json" in names and not [name for name in names if name.startswith(".saving")]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
 def test_saved_files_get_ordinary_permissions(tmp_path):
     old = os.umask(0o022)
     try:
@@ -594,6 +641,58 @@ def test_push_to_hub_uploads_the_code_with_the_weights(tmp_path, monkeypatch):
     # A process other than the main one writes no code (transformers writes nothing either).
     model.save_pretrained(tmp_path / "other rank", is_main_process=False)
     assert not list((tmp_path / "other rank").glob("*.py"))
+
+
+_RESAVE_CONFIGS = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules["hf_spectral"] = None
+    import transformers
+
+    own, other, out = sys.argv[1:4]
+    config = transformers.AutoConfig.from_pretrained(own, trust_remote_code=True)
+    if other == "-":  # (a process of its own: transformers would load the other's code for it after the other's)
+        transformers.AutoModelForCausalLM.from_pretrained(own, trust_remote_code=True)
+        config.save_pretrained(f"{out}/with its model")
+        sys.exit()
+    before = set(sys.modules)
+    config.save_pretrained(f"{out}/alone")
+    imported = sorted(name for name in set(sys.modules) - before if name.startswith("transformers_modules"))
+    transformers.AutoModelForCausalLM.from_pretrained(other, trust_remote_code=True)
+    config.save_pretrained(f"{out}/beside the other")
+    json.dump(imported, open(f"{out}/imported.json", "w"))
+    """
+)
+
+
+def test_a_remotely_loaded_config_saves_the_code_it_was_loaded_with_and_imports_none(tmp_path):
+    # Two checkpoints of one folder name (transformers caches both under it) with different modeling code.
+    model = EGAForCausalLM(EGAConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
+    own, other = tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt"
+    model.save_pretrained(own)
+    model.save_pretrained(other)
+    with open(other / "modeling_ega_gpt.py", "a", encoding="utf-8") as handle:
+        handle.write("\n# another checkpoint's modeling code\n")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    result, resaved = (
+        subprocess.run([sys.executable, "-c", _RESAVE_CONFIGS, str(own), second, str(tmp_path)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+        for second in (str(other), "-")
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert resaved.returncode == 0, resaved.stderr[-4000:]
+
+    assert json.loads((tmp_path / "imported.json").read_text()) == []  # saving ran no checkpoint code
+    config_only = {"AutoConfig": "configuration_ega_gpt.EGAConfig"}
+    for name in ("alone", "beside the other"):  # its modeling code never loaded: it is not shipped, nor the other's
+        assert json.loads((tmp_path / name / "config.json").read_text())["auto_map"] == config_only
+        assert not (tmp_path / name / "modeling_ega_gpt.py").exists()
+        assert "saved without AutoModelForCausalLM" in result.stderr
+    with_model = tmp_path / "with its model"
+    assert json.loads((with_model / "config.json").read_text())["auto_map"] == json.loads(
+        (own / "config.json").read_text())["auto_map"]
+    assert (with_model / "modeling_ega_gpt.py").read_bytes() == (own / "modeling_ega_gpt.py").read_bytes()
 
 
 def test_a_tokenizer_gets_its_file_and_auto_map(tmp_path):

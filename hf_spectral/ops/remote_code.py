@@ -18,15 +18,18 @@ register its classes that way, their ``save_pretrained`` calls `save_model_code`
 """
 
 import ast
-import importlib
 import inspect
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import transformers
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 AUTO_MODEL_CLASSES = ("AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
 
@@ -78,8 +81,8 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
     ``save_directory``. Accepts a model (``PreTrainedModel``, also wrapped by ``torch.compile``), a config
     (``PreTrainedConfig``) or a tokenizer.
 
-    * model or config: copies the configuration and modeling files (the modeling file of a config is the
-      ``modeling_*.py`` file beside its ``configuration_*.py``, when there is one), the files they import, and sets
+    * model or config: copies the configuration and modeling files (for a config alone, the modeling file loaded
+      with it, when there is one: saving never imports code), the files they import, and sets
       ``auto_map`` in ``config.json`` to ``AutoConfig`` plus ``AutoModel``, ``AutoModelForCausalLM`` and
       ``AutoModelForSequenceClassification`` for each such class the modeling file defines for this config class,
       and sets the same ``auto_map`` on the config object, so that it equals the config loaded back;
@@ -145,6 +148,8 @@ def save_model_code(model_or_config, save_directory) -> list[str]:
         if auto_name not in entries and isinstance(reference, str):
             if not (save_directory / f"{reference.rpartition('.')[0]}.py").is_file():
                 del auto_map[auto_name]
+                logger.warning(f"{json_file}: saved without {auto_name} ({reference}): that code was not loaded "
+                               "with the config (save the model, or load it in this process first)")
     values["auto_map"] = auto_map
     write_text_atomically(json_file, json.dumps(values, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     written.append(str(json_file))
@@ -162,32 +167,33 @@ _HUB_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", 
 def save_pretrained_with_code(parent_save_pretrained, obj, save_directory, *args, **kwargs):
     """The body of a ``save_pretrained`` override: the parent's ``save_pretrained``, then `save_model_code`.
 
-    ``parent_save_pretrained`` is the bound parent method (``super().save_pretrained``). On a process other than the
-    main one (``is_main_process=False``) nothing more is written, and a model saving only its PEFT adapters (loaded
-    through transformers' PEFT integration) needs no model code. ``push_to_hub=True`` uploads the folder as
-    transformers does (the repository created first, then the files this save wrote, with a model card for a model),
-    but after the code is written, which the parent's upload would precede; the code files are uploaded even where an
-    earlier save had written them already.
+    ``parent_save_pretrained`` is the bound parent method (``super().save_pretrained``). The folder is written whole
+    or not at all: the parent saves into a new folder inside ``save_directory``, the code joins it, and only then do
+    the files move into place, ``config.json`` last, after the weights files of an earlier save that would not match
+    the new ones are removed. A save that fails leaves ``save_directory`` as it was (a folder it created is removed).
+    On a process other than the main one (``is_main_process=False``) the parent writes what it writes there and
+    nothing more is done, and a model saving only its PEFT adapters (loaded through transformers' PEFT integration)
+    needs no model code. ``push_to_hub=True`` uploads the folder as transformers does (the repository created
+    first, then the files this save wrote, with a model card for a model), but after the code is written, which the
+    parent's upload would precede; the code files are uploaded even where an earlier save had written them already.
     """
     push_to_hub = kwargs.pop("push_to_hub", False)
     hub_arguments = {name: kwargs.pop(name) for name in _HUB_ARGUMENTS if name in kwargs}
     bound = inspect.signature(parent_save_pretrained).bind_partial(save_directory, *args, **kwargs).arguments
-    main_process = bound.get("is_main_process", True)
-    if push_to_hub and main_process and not os.path.isfile(save_directory):
+    if not bound.get("is_main_process", True) or os.path.isfile(save_directory):
+        # (transformers only logs an error for a save_directory that is a file, and writes nothing)
+        return parent_save_pretrained(save_directory, *args, **kwargs)
+    if push_to_hub:
         from transformers.utils.hub import hf_api
 
-        os.makedirs(save_directory, exist_ok=True)
         repo_id = hub_arguments.pop("repo_id", None) or Path(save_directory).name
         repo_id = hf_api().create_repo(repo_id, private=hub_arguments.pop("private", None), token=kwargs.get("token"),
                                        exist_ok=True).repo_id
-        timestamps = obj._get_files_timestamps(save_directory)
-    result = parent_save_pretrained(save_directory, *args, **kwargs)
-    if not main_process or not Path(save_directory).is_dir():
-        return result  # (transformers only logs an error for a save_directory that is a file, and writes nothing)
-    written = [] if getattr(obj, "_hf_peft_config_loaded", False) else save_model_code(obj, save_directory)
+        timestamps = obj._get_files_timestamps(save_directory) if os.path.isdir(save_directory) else {}
+    written, result = _save_whole(parent_save_pretrained, obj, Path(save_directory), args, kwargs)
     if push_to_hub:
         for path in written:
-            timestamps.pop(Path(path).name, None)
+            timestamps.pop(path.name, None)
         tags = hub_arguments.pop("tags", None)
         if hasattr(obj, "model_tags"):  # a model: the Hub's card (or a new one), tagged, as transformers writes it
             from transformers.utils.hub import create_and_tag_model_card
@@ -197,6 +203,48 @@ def save_pretrained_with_code(parent_save_pretrained, obj, save_directory, *args
             card.save(os.path.join(save_directory, "README.md"))
         obj._upload_modified_files(save_directory, repo_id, timestamps, token=kwargs.get("token"), **hub_arguments)
     return result
+
+
+# The weights files of a save (single, sharded, index), which a new save's weights replace as a whole.
+_WEIGHTS_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+
+
+def _save_whole(parent_save_pretrained, obj, save_directory: Path, args, kwargs):
+    """Save into a staging folder inside ``save_directory``, then move the files into place; returns (the paths
+    moved, what the parent returned)."""
+    created = None
+    if not save_directory.is_dir():
+        created = save_directory
+        while not created.parent.exists():  # the outermost folder this save creates, removed if it fails
+            created = created.parent
+        save_directory.mkdir(parents=True)
+    staging = save_directory / f".saving-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        staging.mkdir()
+        result = parent_save_pretrained(staging, *args, **kwargs)
+        if not getattr(obj, "_hf_peft_config_loaded", False):
+            save_model_code(obj, staging)
+        staged = sorted(path.relative_to(staging) for path in staging.rglob("*") if path.is_file())
+        new_weights = {path.name for path in staged if _WEIGHTS_FILE.fullmatch(path.name)}
+        config = save_directory / CONFIG_FILE
+        if config.is_file() and Path(CONFIG_FILE) in staged:
+            config.unlink()  # interrupted from here on, the folder holds no config that mismatches its weights
+        if new_weights:
+            for path in save_directory.iterdir():
+                if _WEIGHTS_FILE.fullmatch(path.name) and path.name not in new_weights and path.is_file():
+                    path.unlink()
+        moved = []
+        for relative in sorted(staged, key=lambda path: path == Path(CONFIG_FILE)):  # config.json last
+            (save_directory / relative).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / relative, save_directory / relative)
+            moved.append(save_directory / relative)
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return moved, result
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,9 +302,8 @@ def _model_classes(config, model_class, config_class) -> dict:
 
     if model_class is not None:
         module = sys.modules[model_class.__module__]
-    else:  # a config alone: the modeling module beside its configuration module, or the config's own module
-        module = _sibling_modeling_module(config_class) or _remote_modeling_module(config, config_class)
-        module = module or sys.modules[config_class.__module__]
+    else:  # a config alone: the modeling module loaded with it, or the config's own module
+        module = _loaded_modeling_module(config, config_class) or sys.modules[config_class.__module__]
     found: dict[str, list] = {}
     for value in vars(module).values():
         if (
@@ -298,43 +345,50 @@ def _same_class(first, second) -> bool:
     )
 
 
-def _sibling_modeling_module(config_class):
-    module_name = config_class.__module__
-    package, _, stem = module_name.rpartition(".")
+def _loaded_modeling_module(config, config_class):
+    """The modeling module loaded in this process that defines models for ``config_class`` and came with the code
+    the config was loaded with, or ``None``. Saving imports nothing: a config whose modeling code is not loaded saves
+    without model classes.
+
+    In the package, and for remote code from the Hub (one folder per commit in transformers' module cache), it is
+    the ``modeling_*`` module beside the configuration module. transformers caches the files of a local checkpoint
+    in a folder per set of files, named by their hash, under a folder named after the checkpoint: there it is a
+    modeling module under the same checkpoint folder whose own copy of the configuration file is this config's
+    file, byte for byte, and whose file is the one in the folder the config was read from (two checkpoints of one
+    folder name loaded in one process: the other one's modeling code is never shipped)."""
+    package, _, stem = config_class.__module__.rpartition(".")
     if not stem.startswith("configuration_"):
         return None
-    modeling_name = f"{package}.{stem.replace('configuration_', 'modeling_', 1)}" if package else stem
-    config_file = Path(sys.modules[module_name].__file__)
-    if not (config_file.parent / f"{modeling_name.rpartition('.')[2]}.py").is_file():
-        return None
-    return importlib.import_module(modeling_name)
-
-
-def _remote_modeling_module(config, config_class):
-    """For a config loaded with ``trust_remote_code``: its modeling module. transformers caches each file of a
-    checkpoint's code in a folder of its own, so the modeling file is not beside the configuration file: it is the
-    loaded module of that name that defines models for this config class, or, where none is loaded, the module the
-    config's own ``auto_map`` names, loaded from where the config came from (``None`` if that fails)."""
-    package, _, stem = config_class.__module__.rpartition(".")
-    if not package.startswith("transformers_modules") or not stem.startswith("configuration_"):
-        return None
     modeling_stem = stem.replace("configuration_", "modeling_", 1)
+    beside = sys.modules.get(f"{package}.{modeling_stem}" if package else modeling_stem)
+    if beside is not None and _defines_models_for(beside, config_class):
+        return beside
+    if not package.startswith("transformers_modules."):
+        return None
+    checkpoint = package.rpartition(".")[0]
+    config_text = Path(sys.modules[config_class.__module__].__file__).read_bytes()
+    source = Path(str(getattr(config, "_name_or_path", "") or "")) / f"{modeling_stem}.py"
+    source_text = source.read_bytes() if source.parent.name and source.is_file() else None
+    found = {}
     for name, module in list(sys.modules.items()):
-        if name.startswith("transformers_modules.") and name.rpartition(".")[2] == modeling_stem and any(
-            isinstance(value, type) and _same_class(getattr(value, "config_class", None), config_class)
-            for value in vars(module).values()
-        ):
-            return module
-    auto_map = getattr(config, "auto_map", None) or {}
-    reference = next((auto_map[name] for name in AUTO_MODEL_CLASSES if isinstance(auto_map.get(name), str)), None)
-    if reference is None or not getattr(config, "_name_or_path", None):
-        return None
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+        module_package, _, module_stem = name.rpartition(".")
+        if module is None or module_stem != modeling_stem or module_package.rpartition(".")[0] != checkpoint:
+            continue
+        config_copy, module_text = Path(module.__file__).with_name(f"{stem}.py"), Path(module.__file__).read_bytes()
+        if (config_copy.is_file() and config_copy.read_bytes() == config_text and source_text in (None, module_text)
+                and _defines_models_for(module, config_class)):
+            found[module_text] = module
+    return next(iter(found.values())) if len(found) == 1 else None  # two different candidates: neither
 
-    try:
-        return sys.modules[get_class_from_dynamic_module(reference, config._name_or_path).__module__]
-    except (OSError, ValueError, ImportError):
-        return None
+
+def _defines_models_for(module, config_class) -> bool:
+    from transformers import PreTrainedModel
+
+    return any(
+        isinstance(value, type) and issubclass(value, PreTrainedModel)
+        and _same_class(getattr(value, "config_class", None), config_class)
+        for value in vars(module).values()
+    )
 
 
 def _module_stem(cls) -> str:
