@@ -25,7 +25,7 @@ from tests.training.conftest import synthetic_text
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # What setuptools reads to build the wheel; copied so that the build never writes into the checkout.
-BUILD_INPUTS = ("hf_spectral", "training", "setup.py", "setup.cfg", "pyproject.toml", "README.md")
+BUILD_INPUTS = ("hf_spectral", "training", "model_cards", "setup.py", "setup.cfg", "pyproject.toml", "README.md")
 
 
 def _run(command, cwd, env, timeout=300):
@@ -75,12 +75,14 @@ def test_wheel_holds_the_recipes_under_the_package_and_no_top_level_training(ins
     assert top_level == {"hf_spectral", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     for required in ("hf_spectral/recipes/__init__.py", "hf_spectral/recipes/common/__init__.py",
                      "hf_spectral/recipes/tinyshakespeare.py", "hf_spectral/recipes/reproduce_ega.py",
-                     "hf_spectral/recipes/model_cards/ega_gpt.md", "hf_spectral/recipes/model_cards/retrofit_gpt2.md",
+                     "hf_spectral/model_cards/ega_gpt.md", "hf_spectral/model_cards/chiar_former.md",
+                     "hf_spectral/model_cards/energy_gated.md",
                      "hf_spectral/recipes/metrics/language_model_loss/language_model_loss.py",
                      "hf_spectral/recipes/metrics/generalization_gap/generalization_gap.py"):
         assert required in names, required
-    # Every file of the source tree (modules, templates, metric scripts, data) is in the wheel.
-    for folder, prefix in (("hf_spectral", "hf_spectral"), ("training", "hf_spectral/recipes")):
+    # Every file of the source tree (modules, model cards, metric scripts, data) is in the wheel.
+    for folder, prefix in (("hf_spectral", "hf_spectral"), ("training", "hf_spectral/recipes"),
+                           ("model_cards", "hf_spectral/model_cards")):
         for path in (ROOT / folder).rglob("*"):
             if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
                 assert f"{prefix}/{path.relative_to(ROOT / folder).as_posix()}" in names, path
@@ -120,8 +122,23 @@ def test_installed_recipe_trains_and_writes_its_model_card(installed):
     run = out / "EGA-1-causal-seed0"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val_loss"] > 0 and summary["generalization_gap"] is not None  # the local metric modules ran
-    assert "EGA-1" in (run / "README.md").read_text()  # rendered from the packaged model-card template
+    card = (run / "README.md").read_text()
+    assert "EGA-1" in card and "## Measured results" in card  # the model's card, from the packaged family card
     assert (run / "model.safetensors").is_file()
+
+
+def test_installed_recipes_render_every_family_card_from_the_package(installed):
+    python, _, env, outside, _ = installed
+    from training.common.model_card import FAMILIES
+
+    script = ("from hf_spectral.recipes.common.model_card import CARDS_DIR, FAMILIES, render_model_card\n"
+              "print(CARDS_DIR)\n"
+              "for family in FAMILIES:\n"
+              "    print(family, render_model_card(family).data.library_name)\n")
+    lines = _run([str(python), "-c", script], cwd=outside, env=env).stdout.splitlines()
+    cards = pathlib.Path(lines[0])  # the installed package's folder, not the checkout's model_cards/
+    assert cards.parts[-2:] == ("hf_spectral", "model_cards") and cards.is_relative_to(python.parent.parent), cards
+    assert lines[1:] == [f"{family} transformers" for family in FAMILIES]
 
 
 def test_installed_retrofit_command_writes_a_loadable_gated_copy(installed, tmp_path):

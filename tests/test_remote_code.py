@@ -720,45 +720,50 @@ def test_a_model_whose_gates_were_removed_saves_as_the_stock_model(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Model cards: the usage blocks run as written where hf_spectral is not installed
+# Model cards: the usage blocks run as written, where hf_spectral is not installed and where it is
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _usage_block(template: str, **values) -> str:
-    import jinja2
+def _usage_block(card_text: str, heading: str) -> str:
+    """The first python block below the subsection ``### {heading}`` of a model card."""
+    section = card_text.split(f"\n### {heading}", 1)
+    assert len(section) == 2, f"the card has no subsection {heading!r}"
+    block = re.search(r"```python\n(.*?)```", section[1], flags=re.S)
+    assert block, f"no python block under {heading!r}"
+    return block.group(1)
 
-    block = re.search(r"```python\n(.*?)```", template, flags=re.S)
-    assert block, "the card template has no python block"
-    return jinja2.Template(block.group(1)).render(**values)
 
-
-def test_model_card_usage_blocks_run_without_the_plugin(tmp_path):
-    from training.common.chiar_experiment import CARD_TEMPLATE
-    from training.common.model_card import template_path
+def test_model_card_usage_blocks_run_with_and_without_the_plugin(tmp_path):
+    from training.common.model_card import FAMILIES as CARD_FAMILIES, render_model_card
 
     tokenizer = tokenizer_in(tmp_path / "tokenizer")
     EGAForCausalLM(EGAConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                             max_position_embeddings=256)).save_pretrained(tmp_path / "ega")
+                             max_position_embeddings=256)).save_pretrained(tmp_path / "ega_gpt")
     ChiarForCausalLM(FAMILIES["chiar_former"][0](len(tokenizer), tokenizer.pad_token_id)).save_pretrained(
-        tmp_path / "chiar"
+        tmp_path / "chiar_former"
     )
-    for folder in ("ega", "chiar"):
+    add_energy_gates(GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2))).save_pretrained(
+        tmp_path / "energy_gated"
+    )
+    for folder in ("ega_gpt", "chiar_former"):
         tokenizer.save_pretrained(tmp_path / folder)
-    blocks = {
-        "ega": _usage_block(Path(template_path("ega_gpt.md")).read_text(), repo_id=tmp_path / "ega", prompt="to be"),
-        "chiar": _usage_block(CARD_TEMPLATE, repo_id=tmp_path / "chiar", auto_class="ForCausalLM")
-        + "\nprint(type(model).__name__, type(tokenizer).__name__)\n",
-    }
-    assert all("trust_remote_code=True" in block and "import hf_spectral\n" not in block for block in blocks.values())
+    loaded_class = {"ega_gpt": "EGAForCausalLM", "chiar_former": "ChiarForCausalLM",
+                    "energy_gated": "EnergyGatedGPT2LMHeadModel"}
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
-    for name, block in blocks.items():
-        script = 'import sys\nsys.modules["hf_spectral"] = None\n' + block
-        result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                                text=True, timeout=300)
-        assert result.returncode == 0, f"{name}:\n{block}\n{result.stderr[-3000:]}"
-        assert result.stdout.strip(), name
-    assert "ChiarForCausalLM CharTokenizer" in result.stdout
+    for family in CARD_FAMILIES:
+        card = render_model_card(family, repo_id=str(tmp_path / family), prompt="to be").text
+        without_plugin, with_plugin = _usage_block(card, "Without hf_spectral"), _usage_block(card, "With hf_spectral")
+        assert "trust_remote_code=True" in without_plugin and "import hf_spectral" not in without_plugin, family
+        assert with_plugin.startswith("import hf_spectral") and "trust_remote_code" not in with_plugin, family
+        for block, plugin in ((without_plugin, False), (with_plugin, True)):
+            script = ("" if plugin else 'import sys\nsys.modules["hf_spectral"] = None\n') + block
+            script += "\nprint(type(model).__name__, type(model).__module__.startswith('hf_spectral'))\n"
+            result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                                    text=True, timeout=300)
+            assert result.returncode == 0, f"{family}, plugin {plugin}:\n{script}\n{result.stderr[-3000:]}"
+            # remote code runs from transformers' modules cache, the plugin's classes from hf_spectral
+            assert result.stdout.splitlines()[-1] == f"{loaded_class[family]} {plugin}", (family, result.stdout)
 
 
 def test_an_older_transformers_is_refused_on_import_naming_both_versions():

@@ -381,7 +381,9 @@ def finetune_arm(arm, seed, pretrained_dir, args, preset, data, tokenizer, runs)
 
 
 def write_arm_card(directory, arm, seed, preset, args, summary, gate_config, repo_id):
-    from .common.model_card import build_model_card, write_model_card
+    from huggingface_hub import ModelCardData
+
+    from .common.model_card import eval_results, render_model_card, write_model_card
 
     rows = [("fine-tuning validation loss (nats/token)", "loss", "validation", summary.get("val_loss")),
             ("fine-tuning training loss, eval mode", "loss", "train", summary.get("train_loss")),
@@ -392,19 +394,7 @@ def write_arm_card(directory, arm, seed, preset, args, summary, gate_config, rep
     if sees_future:  # window statistics: every loss of the gated model saw future tokens, the model index included
         rows = [(f"{name} (sees future tokens)", kind, split, value) for name, kind, split, value in rows]
     table = "| metric | value |\n|---|---|\n" + "".join(f"| {n} | {v:.4f} |\n" for n, _, _, v in rows if v is not None)
-    peft_arm = "lora" in arm
-    if peft_arm:
-        # The adapter records its gates (energy_gate_config.json): with hf_spectral imported, PeftModel adds them.
-        usage = ("import hf_spectral  # adds the adapter's energy gates to the base model\n"
-                 "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n\n"
-                 "# the pretrained GPT-2 this adapter was trained on (a local folder: it is not on the Hub)\n"
-                 "base = AutoModelForCausalLM.from_pretrained(PRETRAINED_GPT2_FOLDER)\n"
-                 f"model = PeftModel.from_pretrained(base, \"{repo_id}\")")
-    else:
-        usage = ("from transformers import AutoModelForCausalLM\n\n"
-                 "# The repository carries the energy-gated GPT-2's code: with trust_remote_code=True, transformers\n"
-                 "# alone loads it. With hf_spectral installed, `import hf_spectral` and leave the flag out instead.\n"
-                 f"model = AutoModelForCausalLM.from_pretrained(\"{repo_id}\", trust_remote_code=True)")
+    adapter = "lora" in arm  # saved as a PEFT adapter on the pretrained GPT-2, not as a whole model
     notes = ""
     if summary.get("gates"):
         notes = f"Learned gate threshold τ: mean {summary['gates']['tau_mean']:.3f}; slope α: mean {summary['gates']['alpha_mean']:.3f}."
@@ -412,13 +402,20 @@ def write_arm_card(directory, arm, seed, preset, args, summary, gate_config, rep
         notes += (" The gates use window statistics (`--gate_normalization window`, the EGA authors'): each position's "
                   "gate is normalised over the whole sequence, future tokens included, so these losses are not those "
                   "of a causal language model.")
-    card = build_model_card(
-        "retrofit_gpt2.md",
-        model_name=f"gpt2-retrofit-{arm.replace('+', '-')}-seed{seed}",
-        results=[{"split": split, "metric_type": kind, "metric_name": name, "value": value}
-                 for name, kind, split, value in rows[:3] if value is not None],
-        dataset_id=HUB_DATASETS[args.finetune_corpus], dataset_name=args.finetune_corpus,
-        tags=["hf_spectral", "gpt2", "energy-gated-attention", "retrofit"] + (["peft", "lora"] if peft_arm else []),
+    model_name = f"gpt2-retrofit-{arm.replace('+', '-')}-seed{seed}"
+    indexed = [(name, split, kind, value) for name, kind, split, value in rows[:3] if value is not None]
+    card_data = ModelCardData(
+        model_name=model_name, datasets=[HUB_DATASETS[args.finetune_corpus]],
+        metrics=sorted({kind for _, _, kind, _ in indexed}),
+        # PEFT's loader reads the adapter's card metadata: an adapter's library is peft
+        library_name="peft" if adapter else None,
+        tags=["gpt2"] + (["peft", "lora"] if adapter else []),
+        eval_results=eval_results(indexed, task_type="text-generation", task_name="Character-level language modelling",
+                                  dataset_id=HUB_DATASETS[args.finetune_corpus], dataset_name=args.finetune_corpus),
+    )
+    card = render_model_card(
+        "energy_gated", card_data,
+        model_name=model_name,
         summary=f"A small GPT-2, pretrained here on {args.pretrain_corpus} and fine-tuned on {args.finetune_corpus} "
                 f"with the `{arm}` arm of the hf_spectral retrofit comparison.",
         size=(f"{preset.num_hidden_layers} layers, {preset.num_attention_heads} heads, C = {preset.hidden_size}, "
@@ -434,11 +431,9 @@ def write_arm_card(directory, arm, seed, preset, args, summary, gate_config, rep
                   f"steps, cosine decay, clip 1.0"),
         seed=seed, hardware=str((summary.get("hardware") or hardware_summary()).get("cpu_model")),
         wall_time=f"{summary.get('train_seconds', 0) / 60:.1f} min of fine-tuning",
-        command=summary.get("command") or current_command(), results_table=table, results_notes=notes, usage=usage,
-        base_model=None,
+        command=summary.get("command") or current_command(), results_table=table, results_notes=notes,
+        repo_id=repo_id, adapter=adapter,
     )
-    if peft_arm:  # PEFT's loader reads the adapter's card metadata; keep its library name
-        card.data.library_name = "peft"
     return write_model_card(card, directory)
 
 

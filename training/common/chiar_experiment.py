@@ -773,58 +773,6 @@ def train_run(arm: Arm, data: TaskData, preset: LMPreset, task: ChiarTask, args,
 # Model card
 # ------------------------------------------------------------------------------------------------------------
 
-CARD_TEMPLATE = """---
-{{ card_data }}
----
-
-# {{ model_name }}
-
-{{ summary }}
-
-CHIAR-Former routes each token, in each routed layer, by the spectral entropy of its hidden state (DCT over the
-hidden axis) to DCT mixing (per token, mixes nothing across tokens), RBF kernel mixing, or attention; tokens that
-skip attention do not pay for it as queries. Model code: the `hf_spectral` package, whose files are saved with the
-model (loadable with `trust_remote_code=True` where the package is not installed).
-
-## Model
-
-- arm: **{{ arm }}** ({{ arm_description }})
-- layers: {{ layers }}
-- size: {{ size }}; {{ num_parameters }} parameters
-- routing thresholds: {{ thresholds }}
-- tokenizer: {{ tokenizer_description }}
-
-## Training
-
-- data: {{ dataset_description }}
-- schedule: {{ schedule }}
-- seed {{ seed }}; hardware: {{ hardware }}; {{ seconds_per_step }} per optimiser step (median)
-- command: `{{ command }}`
-
-## Results
-
-{{ results_table }}
-
-{{ results_notes }}
-
-## Use
-
-```python
-from transformers import AutoModel{{ auto_class }}, AutoTokenizer
-
-# The repository carries the model's code: with trust_remote_code=True, transformers alone loads it (hf_spectral
-# need not be installed). With hf_spectral installed, `import hf_spectral` and leave the flag out instead.
-model = AutoModel{{ auto_class }}.from_pretrained("{{ repo_id }}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}", trust_remote_code=True)
-```
-
-## Limitations
-
-A small research model trained at CPU scale with the hf_spectral `{{ recipe }}` recipe; single-seed numbers of this
-run. The CHIAR-Former paper's numbers are unverified claims (see the repository's `results/chiar/`).
-"""
-
-
 # Metric type (the Hub's metric id) of each evaluation summary key after its split prefix; keys not listed are
 # counts (blocks, examples) or structured values and stay out of the model index.
 CARD_METRIC_TYPES = {"loss": "loss", "perplexity": "perplexity", "perplexity_per_word": "perplexity",
@@ -833,9 +781,10 @@ CARD_METRIC_TYPES = {"loss": "loss", "perplexity": "perplexity", "perplexity_per
 
 def write_card(directory: str, arm: Arm, preset: LMPreset, task: ChiarTask, summary: dict, model, data: TaskData,
                repo_id: str | None = None) -> str:
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    from huggingface_hub import ModelCardData
 
     from ..results import hardware_summary
+    from .model_card import eval_results, render_model_card, write_model_card
 
     results, counts = [], []  # (name, split, metric type, value): metrics go into the model index, counts do not
     for key, value in summary.items():
@@ -859,18 +808,15 @@ def write_card(directory: str, arm: Arm, preset: LMPreset, task: ChiarTask, summ
         notes.append(f"The CHIAR-Former paper reports {task.paper[arm.family]} ({task.paper_metric}) at its own scale.")
     task_type = "text-generation" if task.kind == "lm" else "text-classification"
     card_data = ModelCardData(
-        model_name=f"chiar-former-{task.recipe}-{arm.name}".lower(), library_name="transformers",
-        pipeline_tag=task_type, license="apache-2.0", datasets=[task.hub_dataset] if task.hub_dataset else None,
-        tags=["hf_spectral", "chiar-former", "spectral-entropy-routing", arm.family],
-        eval_results=[EvalResult(task_type=task_type, dataset_type=task.hub_dataset or task.recipe,
-                                 dataset_name=task.title, dataset_split=split, metric_type=metric_type,
-                                 metric_name=name, metric_value=round(float(value), 4))
-                      for name, split, metric_type, value in results] or None,
+        model_name=f"chiar-former-{task.recipe}-{arm.name}".lower(), pipeline_tag=task_type,
+        datasets=[task.hub_dataset] if task.hub_dataset else None, tags=[arm.family],
+        eval_results=eval_results(results, task_type=task_type, dataset_id=task.hub_dataset or task.recipe,
+                                  dataset_name=task.title),
     )
     hardware = summary.get("hardware") or hardware_summary()
     config = model.config
-    card = ModelCard.from_template(
-        card_data, template_str=CARD_TEMPLATE,
+    card = render_model_card(
+        "chiar_former", card_data,
         model_name=card_data.model_name,
         summary=f"A CHIAR-Former ({arm.label}) trained on {task.title} with the hf_spectral `{task.recipe}` recipe.",
         arm=arm.label, arm_description=ARMS[arm.family] + ("; every layer routed" if arm.layout == "all" else ""),
@@ -894,9 +840,7 @@ def write_card(directory: str, arm: Arm, preset: LMPreset, task: ChiarTask, summ
         auto_class="ForCausalLM" if task.kind == "lm" else "ForSequenceClassification",
         repo_id=repo_id or directory, recipe=task.recipe,
     )
-    path = os.path.join(directory, "README.md")
-    card.save(path)
-    return path
+    return write_model_card(card, directory)
 
 
 # ------------------------------------------------------------------------------------------------------------

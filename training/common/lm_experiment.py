@@ -396,7 +396,9 @@ def write_card(directory: str, spec: RunSpec, preset: LMPreset, benchmark: Bench
                repo_id: str | None = None) -> str:
     from hf_spectral.models.ega_gpt.configuration_ega_gpt import VARIANTS
 
-    from .model_card import build_model_card, write_model_card
+    from huggingface_hub import ModelCardData
+
+    from .model_card import eval_results, render_model_card, write_model_card
 
     # (name, metric type, split, value); the gap is no evaluation of a split: in the table, not the model index
     rows = [("validation loss (nats/char)", "loss", "validation", summary.get("val_loss")),
@@ -444,14 +446,18 @@ def write_card(directory: str, spec: RunSpec, preset: LMPreset, benchmark: Bench
         "EGA-M": "learned causal Morlet energies", "EGA-DB2": "Daubechies db2 high-pass energies",
         "EGA-DB4": "Daubechies db4 high-pass energies",
     }
-    card = build_model_card(
-        "ega_gpt.md",
-        model_name=f"ega-gpt-{benchmark.recipe}-{spec.name}".lower(),
-        results=[{"split": split, "metric_type": kind, "metric_name": name, "value": value}
-                 for name, kind, split, value in rows if value is not None and split is not None],
-        dataset_id=benchmark.hub_dataset,
-        dataset_name=benchmark.title,
-        tags=["hf_spectral", "ega-gpt", "energy-gated-attention", "character-level", spec.variant.lower()],
+    model_name = f"ega-gpt-{benchmark.recipe}-{spec.name}".lower()
+    indexed = [(name, split, kind, value) for name, kind, split, value in rows if split and value is not None]
+    card_data = ModelCardData(
+        model_name=model_name, datasets=[benchmark.hub_dataset], metrics=sorted({kind for _, _, kind, _ in indexed}),
+        tags=["character-level", spec.variant.lower()],
+        eval_results=eval_results(indexed,
+                                  task_type="text-generation", task_name="Character-level language modelling",
+                                  dataset_id=benchmark.hub_dataset, dataset_name=benchmark.title),
+    )
+    card = render_model_card(
+        "ega_gpt", card_data,
+        model_name=model_name,
         summary=(f"A character-level EGA-GPT language model ({spec.label}) trained on {benchmark.title} with the "
                  f"hf_spectral `{benchmark.recipe}` recipe."),
         sees_future=bool(summary.get("sees_future")),
@@ -476,9 +482,6 @@ def write_card(directory: str, spec: RunSpec, preset: LMPreset, benchmark: Bench
         repo_id=repo_id or directory,
         prompt=benchmark.prompt.replace("\n", "\\n"),
         recipe=benchmark.recipe,
-        limitations=("A small research model trained on one small corpus: it reproduces the corpus' style, not "
-                     "facts. Validation losses are single-seed numbers of this run; see results/ega/ of the "
-                     "hf_spectral repository for means over seeds."),
     )
     return write_model_card(card, directory)
 
