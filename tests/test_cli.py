@@ -226,6 +226,23 @@ def test_retrofit_follows_a_hub_snapshots_links_into_its_own_blobs_only(tiny_gpt
     assert not (tmp_path / "dst" / "NOTICE").exists()
 
 
+@pytest.mark.parametrize(
+    "architectures", [["pipeline"], ["GPT2Config"], ["is_torch_available"], [5], [None], "GPT2LMHeadModel",
+                      ["AutoModelForCausalLM"], []],
+)
+def test_retrofit_names_an_architectures_entry_that_is_no_model_class_in_one_line(
+    tiny_gpt2, tmp_path, capsys, architectures
+):
+    config = json.loads((tiny_gpt2 / "config.json").read_text())
+    (tiny_gpt2 / "config.json").write_text(json.dumps({**config, "architectures": architectures}))
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors == [f"hf-spectral retrofit: error: cannot tell the model class of {tiny_gpt2}: "
+                      f"config.architectures={architectures!r} does not start with the name of a transformers model "
+                      "class"]
+    assert not (tmp_path / "dst").exists()
+
+
 def test_retrofit_that_cannot_copy_the_other_files_is_a_one_line_error(tiny_gpt2, tmp_path, capsys, monkeypatch):
     from hf_spectral.retrofit import cli
 

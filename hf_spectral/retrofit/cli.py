@@ -155,10 +155,12 @@ def main(argv=None) -> int:
     if getattr(config, "energy_gates", None) is not None or str(config.model_type).startswith("energy_gated_"):
         return _fail(f"{args.src} already has energy gates (config.energy_gates): retrofit the original checkpoint, "
                      "or load this one with AutoModelForCausalLM")
-    architecture = (config.architectures or [None])[0]
-    model_class = getattr(transformers, architecture, None) if architecture else None
-    if model_class is None:
-        return _fail(f"cannot tell the model class of {args.src} (config.architectures={config.architectures})")
+    architectures = config.architectures
+    architecture = architectures[0] if isinstance(architectures, list) and architectures else None
+    model_class = getattr(transformers, architecture, None) if isinstance(architecture, str) else None
+    if not (isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)):
+        return _fail(f"cannot tell the model class of {args.src}: config.architectures={architectures!r} does not "
+                     "start with the name of a transformers model class")
     try:
         family_of_class(model_class)
     except ValueError as error:
