@@ -173,6 +173,76 @@ def test_retrofit_carries_the_sources_other_files_but_not_its_weights_or_code(ti
         assert AutoModelForCausalLM.from_pretrained(destination).config.energy_gates is not None
 
 
+def test_retrofit_skips_and_names_links_and_never_widens_a_carried_files_mode(tiny_gpt2, tmp_path, capsys):
+    """A README.md that links to a private file elsewhere would land in DST as that file's content, ready to push."""
+    (tmp_path / "secret.md").write_text("private")
+    os.chmod(tmp_path / "secret.md", 0o600)
+    (tiny_gpt2 / "README.md").symlink_to(tmp_path / "secret.md")
+    (tiny_gpt2 / "NOTICE").symlink_to("config.json")  # a link, even inside SRC
+    (tiny_gpt2 / "USE_POLICY.md").write_text("policy")
+    os.chmod(tiny_gpt2 / "USE_POLICY.md", 0o600)
+    (tiny_gpt2 / "LICENSE").write_text("terms")
+    os.chmod(tiny_gpt2 / "LICENSE", 0o755)
+    previous = os.umask(0o022)
+    try:
+        assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst")]) == 0
+    finally:
+        os.umask(previous)
+    out = capsys.readouterr().out
+    assert not (tmp_path / "dst" / "README.md").exists() and not (tmp_path / "dst" / "NOTICE").exists()
+    skipped = next(line for line in out.splitlines() if line.startswith(f"not copied from {tiny_gpt2}: "))
+    assert f"README.md (a link to {tmp_path / 'secret.md'}: only a Hub cache snapshot's links" in skipped
+    assert "NOTICE (a link to config.json:" in skipped
+    assert _modes(tmp_path / "dst")["USE_POLICY.md"] == 0o600 and _modes(tmp_path / "dst")["LICENSE"] == 0o644
+
+
+def test_retrofit_follows_a_hub_snapshots_links_into_its_own_blobs_only(tiny_gpt2, tmp_path, capsys):
+    """huggingface_hub's cache: models--org--name/snapshots/<revision>/<file> -> ../../blobs/<hash>."""
+    cache = tmp_path / "hub"
+    repository, other = cache / "models--org--tiny", cache / "models--org--other"
+    for folder in (repository / "blobs", repository / "snapshots" / "abc123", other / "blobs"):
+        folder.mkdir(parents=True)
+    snapshot = repository / "snapshots" / "abc123"
+    files = {path.name: path.read_bytes() for path in tiny_gpt2.iterdir()}
+    files.update({"README.md": b"# card", "LICENSE": b"terms"})
+    for number, (name, content) in enumerate(files.items()):
+        (repository / "blobs" / f"hash{number}").write_bytes(content)
+        (snapshot / name).symlink_to(f"../../blobs/hash{number}")
+    os.chmod(repository / "blobs" / f"hash{list(files).index('README.md')}", 0o640)
+    (other / "blobs" / "hash").write_text("another repository's file")
+    (snapshot / "NOTICE").symlink_to("../../../models--org--other/blobs/hash")
+    previous = os.umask(0o022)
+    try:
+        assert retrofit_main([str(snapshot), str(tmp_path / "dst")]) == 0
+    finally:
+        os.umask(previous)
+    out = capsys.readouterr().out
+    assert (tmp_path / "dst" / "README.md").read_text() == "# card"
+    assert not (tmp_path / "dst" / "README.md").is_symlink()
+    assert (tmp_path / "dst" / "LICENSE").read_text() == "terms"
+    assert _modes(tmp_path / "dst")["README.md"] == 0o640 and _modes(tmp_path / "dst")["LICENSE"] == 0o644
+    assert f"copied from {snapshot}: LICENSE, README.md" in out
+    assert f"not copied from {snapshot}: NOTICE (a link to ../../../models--org--other/blobs/hash:" in out
+    assert not (tmp_path / "dst" / "NOTICE").exists()
+
+
+@pytest.mark.parametrize(
+    "architectures", [["pipeline"], ["GPT2Config"], ["is_torch_available"], [5], [None], "GPT2LMHeadModel",
+                      ["AutoModelForCausalLM"], []],
+)
+def test_retrofit_names_an_architectures_entry_that_is_no_model_class_in_one_line(
+    tiny_gpt2, tmp_path, capsys, architectures
+):
+    config = json.loads((tiny_gpt2 / "config.json").read_text())
+    (tiny_gpt2 / "config.json").write_text(json.dumps({**config, "architectures": architectures}))
+    assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors == [f"hf-spectral retrofit: error: cannot tell the model class of {tiny_gpt2}: "
+                      f"config.architectures={architectures!r} does not start with the name of a transformers model "
+                      "class"]
+    assert not (tmp_path / "dst").exists()
+
+
 def test_retrofit_that_cannot_copy_the_other_files_is_a_one_line_error(tiny_gpt2, tmp_path, capsys, monkeypatch):
     from hf_spectral.retrofit import cli
 
@@ -180,7 +250,7 @@ def test_retrofit_that_cannot_copy_the_other_files_is_a_one_line_error(tiny_gpt2
         raise OSError(28, "No space left on device")
 
     (tiny_gpt2 / "README.md").write_text("# card")
-    monkeypatch.setattr(cli.shutil, "copyfile", no_space)
+    monkeypatch.setattr(cli.shutil, "copyfileobj", no_space)
     assert retrofit_main([str(tiny_gpt2), str(tmp_path / "dst")]) == 2
     assert "cannot copy the other files of" in capsys.readouterr().err
     assert not (tmp_path / "dst").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".retrofit-")]

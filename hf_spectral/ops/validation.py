@@ -3,6 +3,8 @@
 Each check raises a ``ValueError`` that names the field and the value it got, so that a typo in a config file or a
 NaN from a sweep is refused where it enters instead of turning into NaN logits (or a silently changed model) later.
 Booleans are refused where numbers are expected (``True`` is an ``int`` to Python, never a size or a rate here).
+The models check their sizes against the memory where they are built (`check_parameters_fit`) when they are built,
+not in the config: a config may be meant for another machine, or for the meta device.
 """
 
 import contextvars
@@ -10,6 +12,8 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
+import re
 
 from .remote_code import save_pretrained_with_code
 
@@ -119,6 +123,87 @@ def check_energy_settings(
         raise ValueError(
             f"`{eps_name}={eps!r}` bounds the std of the energy statistics and would be ignored with "
             f"`{normalization_name}='none'`"
+        )
+
+
+def parameter_blocks(config, *, learned_positions: bool) -> list[tuple[str, int, str, int]]:
+    """The largest parameter tensors a model of this package builds from ``config``: (the fields that size one
+    tensor, its elements, the fields that count the tensors, their number) for the token embedding, the learned
+    position table (EGA-GPT's, ``learned_positions``) and the two MLP matrices of every layer. Attention, norms and
+    heads come on top: a lower bound, so that `check_parameters_fit` never refuses a model that could be built."""
+    hidden = config.hidden_size
+    blocks = [("vocab_size × hidden_size", config.vocab_size * hidden, "", 1)]
+    if learned_positions:
+        blocks.append(("max_position_embeddings × hidden_size", config.max_position_embeddings * hidden, "", 1))
+    blocks.append(("hidden_size × intermediate_size", hidden * config.intermediate_size, "2 × num_hidden_layers",
+                   2 * config.num_hidden_layers))
+    return blocks
+
+
+def available_memory(device) -> int | None:
+    """Bytes that parameters built on ``device`` can take: the physical memory for the CPU (what its allocations
+    cannot exceed for long: beyond it the system swaps or ends the process), the free memory of a CUDA device plus
+    what torch's caching allocator holds unused there. ``None`` where it cannot be told (other device types, a
+    system without ``sysconf``)."""
+    import torch
+
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # Windows has no sysconf
+            return None
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return None
+
+
+def _parameters_stay_where_built() -> bool:
+    """False where each parameter moves on as soon as it is made: accelerate's ``init_empty_weights`` replaces
+    ``nn.Module.register_parameter`` to move it to the meta device, DeepSpeed ZeRO-3 partitions it. There only each
+    tensor, not all of them together, must fit where it is built."""
+    from torch import nn
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return nn.Module.register_parameter.__module__ == nn.Module.__module__ and not is_deepspeed_zero3_enabled()
+
+
+def _bytes(count: int) -> str:
+    size, unit = float(count), "bytes"
+    for larger in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, larger
+    return f"{count:,} bytes" if unit == "bytes" else f"{size:,.1f} {unit} ({count:,} bytes)"
+
+
+def check_parameters_fit(config, *, learned_positions: bool) -> None:
+    """Refuse, before a model allocates anything, a ``config`` whose parameters (`parameter_blocks`) cannot be
+    allocated where the model is built: on torch's default device in the default dtype, which ``from_config(config,
+    dtype=...)`` and ``with torch.device("cuda"):`` set. The ``ValueError`` names the fields responsible, the bytes
+    needed and the bytes available. Nothing is checked on the meta device (``from_pretrained`` builds there) nor
+    where the memory cannot be told (`available_memory`): a model that fits builds as before."""
+    import torch
+
+    device = torch.get_default_device()
+    available = None if device.type == "meta" else available_memory(device)
+    if available is None:
+        return
+    dtype = torch.get_default_dtype()
+    blocks = parameter_blocks(config, learned_positions=learned_positions)
+    if _parameters_stay_where_built():  # all of them at once
+        what = "the parameters of this model need"
+        needed = sum(elements * count for _, elements, _, count in blocks) * dtype.itemsize
+        fields, elements, count_fields, count = max(blocks, key=lambda block: block[1] * block[3])
+        largest = f"{count_fields} × {fields}" if count_fields else fields
+    else:  # one at a time
+        fields, elements, _, _ = max(blocks, key=lambda block: block[1])
+        what, needed, largest, count = "its largest parameter tensor needs", elements * dtype.itemsize, fields, 1
+    if needed > available:
+        raise ValueError(
+            f"{type(config).__name__}: {what} at least {_bytes(needed)} of {dtype} on {device}, which has "
+            f"{_bytes(available)}; {largest} alone takes {_bytes(elements * count * dtype.itemsize)}: lower "
+            f"{' or '.join(re.findall('[a-z_]+', largest))}"
         )
 
 
@@ -265,10 +350,13 @@ class CheckedConfigMixin:
 
 __all__ = [
     "CheckedConfigMixin",
+    "available_memory",
     "check_energy_settings",
+    "check_parameters_fit",
     "check_known_keys",
     "describe_unknown_keys",
     "known_config_keys",
+    "parameter_blocks",
     "take_field_overrides",
     "warn_about_loaded_keys",
     "check_bool",

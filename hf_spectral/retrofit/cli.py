@@ -3,11 +3,12 @@
 import argparse
 import os
 import shutil
+import stat
 import sys
 import uuid
 from dataclasses import fields
 
-from ..file_permissions import apply_umask, make_folders
+from ..file_permissions import apply_umask, current_umask, make_folders
 from .config import EnergyGateConfig
 
 
@@ -27,19 +28,51 @@ CARRIED_PREFIXES = ("README", "LICENSE", "LICENCE", "NOTICE", "COPYING", "USE_PO
 CARRIED_NAMES = ("chat_template.json",)
 
 
-def _carry_other_files(src: str, staging: str) -> list[str]:
+def _hub_blob(src: str, path: str) -> str | None:
+    """The file that the link ``path`` of SRC points to where SRC is a snapshot of a Hub cache repository
+    (``.../models--org--name/snapshots/<revision>``) and the link resolves into that repository's ``blobs/``, as
+    huggingface_hub lays out every file of a snapshot; None for any other link."""
+    snapshot = os.path.realpath(src)
+    repository = os.path.dirname(os.path.dirname(snapshot))
+    if os.path.basename(os.path.dirname(snapshot)) != "snapshots" or not os.path.basename(repository).startswith(
+        "models--"
+    ):
+        return None
+    target = os.path.realpath(path)
+    return target if os.path.dirname(target) == os.path.realpath(os.path.join(repository, "blobs")) else None
+
+
+def _carry_other_files(src: str, staging: str) -> tuple[list[str], list[str]]:
     """Copy into ``staging`` the files at the top of SRC that it lacks and that CARRIED_SUFFIXES, CARRIED_PREFIXES
-    or CARRIED_NAMES name. Returns the names."""
-    carried = []
+    or CARRIED_NAMES name. Returns the names copied, and those skipped with the reason.
+
+    A symbolic link is followed only into its Hub cache repository's ``blobs/`` (`_hub_blob`); any other link is
+    skipped, so that the copy never holds, ready to push, a file that SRC only points to. A copy's mode is its
+    source's less the umask (0666 at most): never wider than the source's."""
+    carried, skipped = [], []
+    file_mode = 0o666 & ~current_umask()
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
         wanted = name.endswith(CARRIED_SUFFIXES) or name.upper().startswith(CARRIED_PREFIXES) or name in CARRIED_NAMES
-        if (not wanted or name.startswith(".") or not os.path.isfile(path)
-                or os.path.exists(os.path.join(staging, name))):
+        if not wanted or name.startswith(".") or os.path.lexists(os.path.join(staging, name)):
             continue
-        shutil.copyfile(path, os.path.join(staging, name))  # follows links: a Hub snapshot holds links to blobs
+        source = path
+        if os.path.islink(path):
+            source = _hub_blob(src, path)
+            if source is None:
+                skipped.append(f"{name} (a link to {os.readlink(path)}: only a Hub cache snapshot's links into its "
+                               "blobs/ are followed)")
+                continue
+        if not os.path.isfile(source):  # a folder, a socket, ...
+            continue
+        with open(source, "rb") as reader:
+            mode = stat.S_IMODE(os.fstat(reader.fileno()).st_mode) & file_mode
+            # Created with the final mode, so that the copy is never readable more widely, not even for a moment.
+            descriptor = os.open(os.path.join(staging, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            with open(descriptor, "wb") as writer:
+                shutil.copyfileobj(reader, writer)
         carried.append(name)
-    return carried
+    return carried, skipped
 
 
 def _int_list(text: str) -> list[int]:
@@ -54,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-spectral retrofit",
         description="Add energy gates to the checkpoint in SRC (GPT-2, Llama, Mistral, Qwen2) and save it to DST. "
         "With the default alpha-init 0 the new model's outputs equal the original's. SRC's other files (model card, "
-        "license, chat template, ...) are copied along; its weights in other formats, code and subfolders are not.",
+        "license, chat template, ...) are copied along, each with its own mode less the umask (never wider); its "
+        "weights in other formats, code, subfolders and links are not, except a Hub cache snapshot's links into its "
+        "blobs/ (listed as not copied).",
     )
     parser.add_argument("src", help="checkpoint folder (config.json + weights)")
     parser.add_argument("dst", help="output folder (must not exist, unless --overwrite)")
@@ -120,10 +155,12 @@ def main(argv=None) -> int:
     if getattr(config, "energy_gates", None) is not None or str(config.model_type).startswith("energy_gated_"):
         return _fail(f"{args.src} already has energy gates (config.energy_gates): retrofit the original checkpoint, "
                      "or load this one with AutoModelForCausalLM")
-    architecture = (config.architectures or [None])[0]
-    model_class = getattr(transformers, architecture, None) if architecture else None
-    if model_class is None:
-        return _fail(f"cannot tell the model class of {args.src} (config.architectures={config.architectures})")
+    architectures = config.architectures
+    architecture = architectures[0] if isinstance(architectures, list) and architectures else None
+    model_class = getattr(transformers, architecture, None) if isinstance(architecture, str) else None
+    if not (isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)):
+        return _fail(f"cannot tell the model class of {args.src}: config.architectures={architectures!r} does not "
+                     "start with the name of a transformers model class")
     try:
         family_of_class(model_class)
     except ValueError as error:
@@ -157,11 +194,11 @@ def main(argv=None) -> int:
                 AutoTokenizer.from_pretrained(args.src).save_pretrained(staging)
             except (OSError, ValueError, TypeError) as error:
                 return _fail(f"cannot copy the tokenizer of {args.src}: {type(error).__name__}: {error}")
+        apply_umask(staging)  # all it holds is new; safetensors writes its files as 0600
         try:
-            carried = _carry_other_files(args.src, staging)
+            carried, skipped = _carry_other_files(args.src, staging)  # (with modes of their own)
         except OSError as error:
             return _fail(f"cannot copy the other files of {args.src}: {error}")
-        apply_umask(staging)  # safetensors writes its files as 0600
         old = None
         if os.path.exists(args.dst):  # moved aside, and deleted only once the new folder is in place
             old = os.path.join(parent, f".retrofit-old-{uuid.uuid4().hex}")
@@ -185,4 +222,6 @@ def main(argv=None) -> int:
     print(f"wrote {args.dst}: {architecture} with energy gates {gate_config.to_dict()}")
     if carried:
         print(f"copied from {args.src}: {', '.join(carried)}")
+    if skipped:
+        print(f"not copied from {args.src}: {', '.join(skipped)}")
     return 0

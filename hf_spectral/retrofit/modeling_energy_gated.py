@@ -77,7 +77,17 @@ def _supported_names() -> str:
     return ", ".join(cls.__name__ for family in FAMILIES for cls in family.model_classes.values())
 
 
+def _named(value) -> str:
+    """A value in an error message: a function's or class's name, a string's or number's value, else its type."""
+    shown = getattr(value, "__name__", value)
+    if not isinstance(shown, (str, int, float)):
+        return f"a {type(value).__name__} object"
+    return f"{shown!r} ({type(value).__name__})"
+
+
 def family_of_class(model_class: type) -> Family:
+    if not isinstance(model_class, type):
+        raise TypeError(f"energy gates go into a model class (such as GPT2LMHeadModel), not {_named(model_class)}")
     for family in FAMILIES:
         if issubclass(model_class, tuple(family.model_classes.values())):
             return family
@@ -91,6 +101,9 @@ def family_of_config_class(config_class: type) -> Family:
 
 
 def family_of(model) -> Family:
+    if not isinstance(model, torch.nn.Module):
+        what = f"the class {model.__name__} (build the model first)" if isinstance(model, type) else _named(model)
+        raise TypeError(f"energy gates go into a model (a torch.nn.Module such as GPT2LMHeadModel), not {what}")
     for family in FAMILIES:
         if isinstance(model, tuple(family.model_classes.values())):
             return family

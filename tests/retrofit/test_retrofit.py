@@ -4,6 +4,7 @@ downloaded here)."""
 import json
 import os
 import pickle
+import re
 import subprocess
 from copy import deepcopy
 import sys
@@ -27,11 +28,12 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    pipeline,
 )
 
 import hf_spectral  # noqa: F401  (registers the energy-gated model types)
 from hf_spectral.ops import gated_attention
-from hf_spectral.retrofit.modeling_energy_gated import EnergyGatedLlamaForCausalLM
+from hf_spectral.retrofit.modeling_energy_gated import EnergyGatedLlamaForCausalLM, family_of_class
 from hf_spectral.retrofit import (
     EnergyGateConfig,
     add_energy_gates,
@@ -673,6 +675,25 @@ def test_unsupported_models_and_bad_configs_are_refused(tmp_path):
                        ({"scales": [0]}, "scales"), ({"projections": 0}, "projections")]:
         with pytest.raises(ValueError, match=field):
             EnergyGateConfig(**bad)
+
+
+@pytest.mark.parametrize(
+    "not_a_model, named",
+    [(pipeline, "'pipeline' (function)"), (GPT2Config(n_layer=1), "a GPT2Config object"), ("GPT2LMHeadModel",
+     "'GPT2LMHeadModel' (str)"), (5, "5 (int)")],
+)
+def test_a_value_that_is_no_model_class_or_model_is_refused_naming_it(not_a_model, named):
+    with pytest.raises(TypeError, match=re.escape(f"go into a model class (such as GPT2LMHeadModel), not {named}")):
+        family_of_class(not_a_model)
+    with pytest.raises(TypeError, match=re.escape(f"(a torch.nn.Module such as GPT2LMHeadModel), not {named}")):
+        add_energy_gates(not_a_model)
+
+
+def test_a_model_class_instead_of_a_model_is_refused_with_what_to_do():
+    with pytest.raises(TypeError, match=re.escape("not the class GPT2LMHeadModel (build the model first)")):
+        add_energy_gates(GPT2LMHeadModel)
+    with pytest.raises(ValueError, match="energy gates cannot be added to GPT2Config"):  # a class, but no model's
+        family_of_class(GPT2Config)
 
 
 def test_command_line_writes_a_retrofitted_copy(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
-from hf_spectral.file_permissions import apply_umask
+from hf_spectral.file_permissions import umask_permissions_for_what_is_written
 
 METRICS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metrics")
 GATE_SCALAR_PARAMETERS = re.compile(r"energy_gate\..*(tau|alpha|mix_logits|omega|sigma)$")
@@ -111,10 +112,11 @@ class RecipeTrainer(Trainer):
         self.model_card_fn = model_card_fn
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        super().save_model(output_dir, _internal_call)
+        # safetensors writes model files as 0600; a run's models are ordinary files (the folder's others keep theirs)
         folder = output_dir or self.args.output_dir
-        if self.args.should_save and os.path.isdir(folder):
-            apply_umask(folder)  # safetensors writes model files as 0600; a run's models are ordinary files
+        saving = umask_permissions_for_what_is_written(folder) if self.args.should_save else contextlib.nullcontext()
+        with saving:
+            super().save_model(output_dir, _internal_call)
 
     def get_decay_parameter_names(self, model) -> list:
         return [name for name in super().get_decay_parameter_names(model) if not GATE_SCALAR_PARAMETERS.search(name)]

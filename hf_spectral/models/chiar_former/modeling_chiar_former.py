@@ -91,6 +91,7 @@ from ...ops.routing import (
     usage_entropy_penalty,
 )
 from ...ops.spectral import dct, dct_even_odd, dct_mixing, idct, spectral_entropy_from_spectrum
+from ...ops.validation import check_parameters_fit
 
 logger = logging.get_logger(__name__)
 
@@ -635,7 +636,10 @@ class ChiarPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config, *args, **kwargs):
-        config._validate()  # values assigned after the config was built are checked here, before any layer is
+        # Values assigned after the config was built are checked here, and the sizes against the memory of the
+        # device the parameters go to, before any layer is built.
+        config._validate()
+        check_parameters_fit(config, learned_positions=False)
         super().__init__(config, *args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -54,6 +54,7 @@ from ...ops.positions import (
     token_positions,
 )
 from ...ops.remote_code import save_pretrained_with_code
+from ...ops.validation import check_parameters_fit
 from .configuration_ega_gpt import EGAConfig
 
 logger = logging.get_logger(__name__)
@@ -220,7 +221,10 @@ class EGAPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config, *args, **kwargs):
-        config._validate()  # values assigned after the config was built are checked here, before any layer is
+        # Values assigned after the config was built are checked here, and the sizes against the memory of the
+        # device the parameters go to, before any layer is built.
+        config._validate()
+        check_parameters_fit(config, learned_positions=True)
         super().__init__(config, *args, **kwargs)
 
     def _init_weights(self, module):

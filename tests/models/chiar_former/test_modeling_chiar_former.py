@@ -1057,3 +1057,25 @@ def test_flex_attention_decoding_through_the_cache_equals_the_eager_forward(fres
             out = flex(padded[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=out.cache, use_cache=True)
             logits.append(out.logits)
     torch.testing.assert_close(torch.cat(logits, 1)[valid], full[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_too_large_for_the_memory_is_refused_naming_the_field_before_allocating():
+    config = tiny_config(vocab_size=10**12)  # a config is only numbers (it may be meant for a larger machine)
+    with pytest.raises(ValueError, match="^ChiarConfig: the parameters of this model need at least .* of "
+                       "torch.float32 on cpu, which has .*; vocab_size × hidden_size alone takes .*: lower vocab_size "
+                       "or hidden_size$"):
+        ChiarForCausalLM(config)
+    assert ChiarForCausalLM(tiny_config()).model.embed_tokens.weight.shape == (VOCAB, 32)
+
+
+def test_loading_builds_on_the_meta_device_where_no_size_is_checked(tmp_path, monkeypatch):
+    from hf_spectral.ops import validation
+
+    model = build(ChiarForCausalLM, tiny_config())
+    model.save_pretrained(tmp_path)
+    monkeypatch.setattr(validation, "available_memory", lambda device: 1000)  # less than this model needs
+    with pytest.raises(ValueError, match="which has 1,000 bytes"):
+        ChiarForCausalLM(tiny_config())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.state_dict().keys() == loaded.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))

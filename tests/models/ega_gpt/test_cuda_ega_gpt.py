@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hf_spectral import EGAForCausalLM
 from tests.helpers import gates_decoded_token_by_token
-from tests.models.ega_gpt.test_modeling_ega_gpt import VOCAB, padded_batch, tiny_model
+from tests.models.ega_gpt.test_modeling_ega_gpt import VOCAB, padded_batch, tiny_config, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -139,3 +140,14 @@ def test_a_static_cache_decoding_step_of_a_gated_layer_never_synchronises_on_cud
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(output[:, 0], expected[:, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_larger_than_the_gpus_free_memory_is_refused_there_before_allocating():
+    free, _ = torch.cuda.mem_get_info()
+    too_large = tiny_config(vocab_size=2 * free // (24 * 4))  # its embedding alone takes twice the free memory
+    allocated = torch.cuda.memory_allocated()
+    with torch.device("cuda"), pytest.raises(ValueError, match="of torch.float32 on cuda.*vocab_size × hidden_size"):
+        EGAForCausalLM(too_large)
+    assert torch.cuda.memory_allocated() == allocated
+    with torch.device("cuda"):
+        assert EGAForCausalLM(tiny_config()).lm_head.weight.is_cuda

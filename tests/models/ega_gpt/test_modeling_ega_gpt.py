@@ -759,3 +759,25 @@ def test_a_float64_model_keeps_float64_gates_and_passes_gradcheck(variant):
                              requires_grad=True)
     assert model(inputs_embeds=embeddings, output_gate_values=True).gate_values[0].dtype == torch.float64
     assert torch.autograd.gradcheck(lambda e: model(inputs_embeds=e).logits, (embeddings,), eps=1e-6, atol=1e-5)
+
+
+def test_a_model_too_large_for_the_memory_is_refused_naming_the_field_before_allocating():
+    config = tiny_config(vocab_size=10**12)  # a config is only numbers (it may be meant for a larger machine)
+    with pytest.raises(ValueError, match="^EGAConfig: the parameters of this model need at least .* of "
+                       "torch.float32 on cpu, which has .*; vocab_size × hidden_size alone takes .*: lower vocab_size "
+                       "or hidden_size$"):
+        EGAForCausalLM(config)
+    assert EGAForCausalLM(tiny_config()).model.wte.weight.shape == (VOCAB, 24)
+
+
+def test_loading_builds_on_the_meta_device_where_no_size_is_checked(tmp_path, monkeypatch):
+    from hf_spectral.ops import validation
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    monkeypatch.setattr(validation, "available_memory", lambda device: 1000)  # less than this model needs
+    with pytest.raises(ValueError, match="which has 1,000 bytes"):
+        EGAForCausalLM(tiny_config())
+    loaded = EGAForCausalLM.from_pretrained(tmp_path)
+    assert model.state_dict().keys() == loaded.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
