@@ -417,7 +417,7 @@ def register_peft_integration(wrap_loaders: bool | None = None) -> None:
         _wrap_transformers_load_adapter()  # transformers' module is imported with PreTrainedModel: no PEFT needed
     if "peft" in sys.modules:
         _register_with_peft()
-    elif importlib.util.find_spec("peft") is not None and not any(isinstance(f, PeftImportHook) for f in sys.meta_path):
+    elif not any(isinstance(finder, PeftImportHook) for finder in sys.meta_path) and importlib.util.find_spec("peft"):
         sys.meta_path.insert(0, PeftImportHook())
 
 
