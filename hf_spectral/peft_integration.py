@@ -1,6 +1,8 @@
-"""PEFT integration: default LoRA targets for the hf_spectral models, and adapters that cannot lose energy gates.
+"""PEFT integration: default LoRA targets for the hf_spectral models, and adapters that keep their energy gates.
 
-Both run on ``import hf_spectral`` (``register_peft_integration``) when PEFT is installed.
+``import hf_spectral`` imports neither PEFT nor accelerate for it (transformers itself imports accelerate where it is
+installed): when PEFT is already imported, ``register_peft_integration`` registers at once; otherwise a one-shot
+import hook for the module ``peft`` (`PeftImportHook`) registers right after a later ``import peft`` has run.
 
 **Default target modules.** PEFT finds the modules a ``LoraConfig`` without ``target_modules`` adapts in tables
 keyed by ``config.model_type`` (``peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`` and its
@@ -14,25 +16,40 @@ copies for the other methods; each tuner class holds one as ``target_module_mapp
 * ``energy_gated_<family>`` (retrofitted GPT-2 / Llama / Mistral / Qwen2): the stock family's entries.
 
 **Adapters of gated models.** An adapter trained on a model with energy gates (``add_energy_gates``; the gates train
-next to LoRA through ``modules_to_save=["energy_gate"]`` and are stored in the adapter) needs those gates in the model
-it is loaded into: PEFT itself would drop the trained gate weights without a word when they are missing. So:
+next to LoRA through ``modules_to_save=["energy_gate"]`` and are stored in the adapter) needs gates in the model it
+is loaded into: where the model has none, PEFT drops the trained gate weights without a word. hf_spectral wraps four
+methods for this:
 
-* ``PeftModel.save_pretrained`` of a gated model also writes the gate configuration, ``energy_gate_config.json``,
-  into each adapter folder it writes;
-* ``PeftModel.from_pretrained(model, adapter)`` (and ``AutoPeftModelFor*.from_pretrained``) adds those gates to a
-  ``model`` that has none before loading, so the trained gate weights land in them; it raises a ``ValueError`` when
-  the gates cannot be restored (the adapter holds gate weights but no gate configuration, the gates live in a gated
-  base checkpoint the adapter does not contain, or ``model`` has gates configured differently);
-* ``PeftModel.load_adapter`` (a further adapter on a PEFT model) and transformers' ``model.load_adapter`` raise the
-  same ``ValueError`` instead of loading gate weights into a model without gates.
+* ``PeftModel.save_pretrained``: when the base model has energy gates, it also writes their configuration,
+  ``energy_gate_config.json``, into each adapter folder it writes;
+* ``PeftModel.from_pretrained`` (and through it ``AutoPeftModelFor*.from_pretrained``), ``PeftModel.load_adapter``
+  (a further adapter: the gates go into the PEFT model's base model) and transformers' ``model.load_adapter``
+  (``PeftAdapterMixin.load_adapter``): when the adapter folder holds ``energy_gate_config.json`` and the model has
+  no gates, they add gates of that configuration, as the identity (α = 0, whatever α the adapter's gates started
+  from), and log a WARNING naming the adapter and the configuration. The adapter's trained gates are PEFT's copies
+  of the model's gates (``modules_to_save``) and get its weights; other adapters and ``disable_adapter()`` see the
+  identity gates, that is the model unchanged. A load that fails removes the gates it added.
 
-``load_gated_adapter(model, adapter)`` does the same explicitly (it returns the ``PeftModel``).
+They raise a ``ValueError`` saying what to run when the gates cannot be restored: the model has gates configured
+differently (``tau_init`` and ``alpha_init``, starting values only, are not compared), or the adapter records gates
+but holds no trained weights for them (they live in the gated base checkpoint it was trained on).
+
+For an adapter folder without ``energy_gate_config.json`` each wrapper calls PEFT's or transformers' method
+straight through after that one existence check (``save_pretrained``: when the base model has no gates). The wrappers
+are functions of this module (their ``__module__``, ``__qualname__`` and ``__doc__`` say so; ``__wrapped__`` is the
+original method). Switch them off with ``HF_SPECTRAL_PEFT_INTEGRATION=0`` in the environment of ``import
+hf_spectral``, or with ``unregister_peft_integration()``, which puts PEFT's and transformers' own methods back;
+``load_gated_adapter(model, adapter)`` and ``write_gate_config(peft_model, folder)`` do the same explicitly. The
+default target modules concern hf_spectral's model types alone and stay registered.
 """
 
 from __future__ import annotations
 
-import functools
+import importlib.abc
+import importlib.util
+import inspect
 import os
+import sys
 
 from transformers.utils import logging
 
@@ -40,12 +57,13 @@ logger = logging.get_logger(__name__)
 
 GATE_CONFIG_NAME = "energy_gate_config.json"  # as hf_spectral.retrofit.config.CONFIG_NAME
 ADAPTER_WEIGHTS_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
+SWITCH_VARIABLE = "HF_SPECTRAL_PEFT_INTEGRATION"
+SWITCH_VALUES = {"1": True, "true": True, "on": True, "yes": True,
+                 "0": False, "false": False, "off": False, "no": False}
 
 # Default LoRA targets (LoRA's table and the tables PEFT copies from it).
 CHIAR_LORA_TARGET_MODULES = ["q_proj", "kv_proj", "v_proj"]
 RETROFIT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
-
-_WRAPPED_MARK = "__hf_spectral_wrapped__"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,20 +134,10 @@ def _adapter_file(model_id, filename: str, hub_kwargs: dict) -> str | None:
         return None
 
 
-def _is_gate_parameter_key(key: str) -> bool:
-    """Whether an adapter weight is a gate's own parameter (the gate saved whole: ``modules_to_save``), told by its
-    threshold τ, which every gate has. A LoRA delta on a gate's projection (``...energy_gate.energy.proj.lora_A``)
-    is not: the gate it adapts is part of the base checkpoint."""
-    return f".{key}".endswith(".energy_gate.tau")
-
-
-def adapter_gate_info(model_id, **kwargs) -> tuple[dict | None, bool]:
-    """(gate configuration recorded in the adapter or None, whether the adapter's weights hold the gates' own
-    parameters)."""
-    hub_kwargs = _hub_kwargs(kwargs)
-    if _adapter_file(model_id, "adapter_config.json", hub_kwargs) is None:
-        return None, False  # not an adapter we can reach: PEFT reports that itself (one failed lookup, not three)
-    keys = None
+def _gates_with_weights(model_id, hub_kwargs: dict) -> set[str]:
+    """Names (as the adapter's weights spell them) of the gates whose own parameters the adapter holds: gates saved
+    whole through ``modules_to_save``, told by the threshold τ every gate has. A LoRA delta on a gate's projection
+    (``...energy_gate.energy.proj.lora_A``) is no such gate: the gate it adapts is part of the base checkpoint."""
     for name in ADAPTER_WEIGHTS_NAMES:  # the file PEFT loads next (a Hub download is cached for it)
         path = _adapter_file(model_id, name, hub_kwargs)
         if path is None:
@@ -143,95 +151,102 @@ def adapter_gate_info(model_id, **kwargs) -> tuple[dict | None, bool]:
             import torch
 
             keys = list(torch.load(path, map_location="cpu", weights_only=True))
-        break
-    if keys is None:
-        return None, False  # no adapter weights to be found: PEFT reports that itself
+        return {key.removesuffix(".tau") for key in keys if f".{key}".endswith(".energy_gate.tau")}
+    return set()
+
+
+def prepare_model_for_adapter(model, model_id, **kwargs) -> bool:
+    """Give ``model`` (a ``PeftModel``: its base model) the energy gates that the adapter ``model_id`` records in its
+    ``energy_gate_config.json``, as the identity, before the adapter is loaded; see the module docstring. Does
+    nothing for an adapter without that file. Returns whether it added gates."""
+    hub_kwargs = _hub_kwargs(kwargs)
     config_path = _adapter_file(model_id, GATE_CONFIG_NAME, hub_kwargs)
-    gate_config = None
-    if config_path is not None:
-        from .retrofit.config import read_gate_config_file
-
-        gate_config = read_gate_config_file(config_path)
-    return gate_config, any(_is_gate_parameter_key(key) for key in keys)
-
-
-def prepare_model_for_adapter(model, model_id, *, add_missing_gates: bool = True, **kwargs) -> bool:
-    """Make sure ``model`` has the energy gates the adapter ``model_id`` was trained with, before it is loaded.
-
-    Adds them (``add_missing_gates``) when ``model`` has none and the adapter records their configuration and holds
-    their trained weights; raises a ``ValueError`` saying what to do when that is not possible. Does nothing for an
-    adapter of a model without gates. Returns whether it added gates."""
-    from .retrofit import EnergyGateConfig, add_energy_gates, has_energy_gates
-
-    gate_values, has_gate_weights = adapter_gate_info(model_id, **kwargs)
-    if gate_values is None and not has_gate_weights:
+    if config_path is None:
         return False
+    from .retrofit import EnergyGateConfig, add_energy_gates, has_energy_gates, remove_energy_gates
+    from .retrofit.config import gate_structure, read_gate_config_file
+
+    # The model's own gates are the identity, whatever the adapter's gates started from: its trained gates are
+    # PEFT's copies of them and get its weights, while other adapters and disable_adapter() see the model unchanged.
+    gate_config = EnergyGateConfig.from_dict({**read_gate_config_file(config_path), "tau_init": 0.0, "alpha_init": 0.0})
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    recorded = EnergyGateConfig.from_dict(gate_values) if gate_values is not None else None
     if has_energy_gates(base):
-        current = dict(base.config.energy_gates)
-        if recorded is not None and current != recorded.to_dict():
+        if gate_structure(base.config.energy_gates) != gate_structure(gate_config.to_dict()):
             raise ValueError(
-                f"the adapter {model_id} was trained with energy gates configured as {recorded.to_dict()}, the model's "
-                f"gates are configured as {current}"
+                f"the adapter {model_id} was trained with energy gates configured as "
+                f"{gate_structure(gate_config.to_dict())}, the model's gates are configured as "
+                f"{gate_structure(base.config.energy_gates)}; load it into a model with its gates: "
+                f"remove_energy_gates(model), then load the adapter again"
             )
         return False
-    if recorded is None and any(name.endswith("energy_gate") for name, _ in base.named_modules()):
-        return False  # gates of the architecture itself (EGA-GPT): PEFT loads their weights like any other module's
-    if not has_gate_weights:
-        raise ValueError(
-            f"the adapter {model_id} was trained on a model with energy gates ({GATE_CONFIG_NAME}), but it does not "
-            "contain them: they are part of the base checkpoint it was trained on. Load that gated checkpoint (saved "
-            "with save_pretrained after add_energy_gates) as the base model, or add the gates and their weights "
-            "first (add_energy_gates + load_energy_gates)."
-        )
-    if recorded is None:
-        raise ValueError(
-            f"the adapter {model_id} holds trained energy-gate weights, but the model has no energy gates and the "
-            f"adapter does not record their configuration ({GATE_CONFIG_NAME}); they would be dropped. Add the gates "
-            "they were trained with first: hf_spectral.retrofit.add_energy_gates(model, EnergyGateConfig(...)), or "
-            f"write the configuration into the adapter folder with gate_config.save_pretrained(<adapter folder>)."
-        )
-    if not add_missing_gates or hasattr(model, "get_base_model"):
-        raise ValueError(
-            f"the adapter {model_id} holds trained energy-gate weights, but the model has no energy gates; add them "
-            f"before wrapping the model with PEFT: add_energy_gates(model, EnergyGateConfig.from_dict({gate_values})), "
-            "or load the adapter with PeftModel.from_pretrained / hf_spectral.peft_integration.load_gated_adapter"
-        )
-    logger.info(f"adding the energy gates recorded in {model_id} ({recorded.to_dict()}) before loading the adapter")
-    add_energy_gates(base, recorded)
+    add_energy_gates(base, gate_config)
+    try:
+        trained = _gates_with_weights(model_id, hub_kwargs)
+        gates = [name for name, module in base.named_modules() if name.endswith(".energy_gate")]
+        missing = [gate for gate in gates if not any(f".{owner}".endswith(f".{gate}") for owner in trained)]
+        if missing:
+            raise ValueError(
+                f"the adapter {model_id} was trained on a model with energy gates ({GATE_CONFIG_NAME}) but "
+                f"holds no trained weights for {missing}: they are part of the base checkpoint it was trained on. "
+                "Load that gated checkpoint as the model (AutoModelForCausalLM.from_pretrained(<gated checkpoint>), "
+                "saved with save_pretrained after add_energy_gates), or add the gates and their weights first: "
+                f"add_energy_gates(model, EnergyGateConfig.from_pretrained({str(model_id)!r})); "
+                "load_energy_gates(model, <file written by save_energy_gates>)"
+            )
+    except BaseException:
+        remove_energy_gates(base)
+        raise
+    logger.warning(
+        f"the adapter {model_id} was trained with energy gates: added them to the model as the identity "
+        f"({gate_config.to_dict()}); the adapter's trained gates are loaded into PEFT's copies of them "
+        f"(modules_to_save). Switch this off with {SWITCH_VARIABLE}=0."
+    )
     return True
 
 
 def _load_with_gates(model, model_id, load, **kwargs):
     """``load()`` after ``prepare_model_for_adapter``; gates it added are removed again if ``load`` fails, so that a
     failed load leaves ``model`` as it was."""
-    added = prepare_model_for_adapter(model, model_id, **kwargs)
+    if not prepare_model_for_adapter(model, model_id, **kwargs):
+        return load()
     try:
         return load()
     except BaseException:
-        if added:
-            from .retrofit import remove_energy_gates
+        from .retrofit import remove_energy_gates
 
-            remove_energy_gates(model)
+        remove_energy_gates(model.get_base_model() if hasattr(model, "get_base_model") else model)
         raise
 
 
 def load_gated_adapter(model, model_id, **kwargs):
     """``PeftModel.from_pretrained(model, model_id, **kwargs)`` after adding to ``model`` the energy gates the adapter
-    was trained with (see the module docstring); returns the ``PeftModel``."""
+    was trained with (see the module docstring), whether or not the wrappers are on; returns the ``PeftModel``."""
     from peft import PeftModel
 
     return _load_with_gates(model, model_id, lambda: PeftModel.from_pretrained(model, model_id, **kwargs), **kwargs)
 
 
+def _adapter_depends_on_gates(gated_attentions: list, adapter_name: str) -> bool:
+    """Whether an adapter's outputs depend on the model's energy gates: it trains copies of them
+    (``modules_to_save``), or the model's own gates are not the identity (α ≠ 0: the gates of a gated checkpoint).
+    An adapter trained while the model's gates were the identity (added for another adapter) loads without them."""
+    for attention in gated_attentions:
+        gate = attention.energy_gate
+        if adapter_name in getattr(gate, "modules_to_save", {}):
+            return True
+        if getattr(gate, "original_module", gate).alpha.count_nonzero():
+            return True
+    return False
+
+
 def write_gate_config(peft_model, save_directory, selected_adapters=None) -> list[str]:
-    """Write ``energy_gate_config.json`` next to each adapter that ``peft_model.save_pretrained`` wrote, when its base
-    model has energy gates; returns the paths written."""
-    from .retrofit import EnergyGateConfig, has_energy_gates
+    """Write ``energy_gate_config.json`` next to each adapter that ``peft_model.save_pretrained`` wrote and whose
+    outputs depend on the energy gates of its base model; returns the paths written."""
+    from .retrofit import EnergyGateConfig, gated_attention_modules
 
     base = peft_model.get_base_model()
-    if not has_energy_gates(base):
+    gated_attentions = gated_attention_modules(base)
+    if not gated_attentions:
         return []
     gate_config = EnergyGateConfig.from_dict(dict(base.config.energy_gates))
     adapters = selected_adapters if selected_adapters is not None else list(peft_model.peft_config)
@@ -239,83 +254,190 @@ def write_gate_config(peft_model, save_directory, selected_adapters=None) -> lis
     for adapter_name in adapters:
         # PEFT's layout: the default adapter at the top, the others in a folder named after them.
         directory = save_directory if adapter_name == "default" else os.path.join(save_directory, adapter_name)
-        if os.path.isdir(directory):
+        if os.path.isdir(directory) and _adapter_depends_on_gates(gated_attentions, adapter_name):
             paths.append(gate_config.save_pretrained(directory))
     return paths
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The wrappers, and switching them on and off
+# ----------------------------------------------------------------------------------------------------------------
+
+ADDS_GATES = f"the energy gates an adapter records ({GATE_CONFIG_NAME}) are added to a model without gates"
+NO_GATE_CONFIG = f"an adapter folder without {GATE_CONFIG_NAME}"
+_originals: dict[tuple[type, str], object] = {}  # (class, method name) -> the attribute it had before wrapping
+_wrap_peft_model_on_import = False  # whether the import hook wraps PeftModel's methods besides the target modules
+
+
+def _install(owner: type, name: str, make_wrapper, adds: str, unless: str) -> None:
+    """Replace ``owner.<name>`` by ``make_wrapper(original function)``: a function of this module that says what it
+    adds, how to switch it off, and keeps the original as ``__wrapped__`` (``inspect.signature`` follows it)."""
+    if (owner, name) in _originals:
+        return
+    attribute = owner.__dict__[name]
+    is_classmethod = isinstance(attribute, classmethod)
+    original = attribute.__func__ if is_classmethod else attribute
+    wrapper = make_wrapper(original)
+    wrapper.__qualname__ = f"{owner.__name__}.{wrapper.__name__}"
+    wrapper.__wrapped__ = original
+    wrapper.__doc__ = (
+        f"{owner.__module__}.{owner.__name__}.{name}, wrapped by hf_spectral: {adds}. For {unless} it calls "
+        f"{name} straight through. Switch it off with {SWITCH_VARIABLE}=0 (before "
+        "import hf_spectral) or hf_spectral.peft_integration.unregister_peft_integration().\n\n"
+        f"{inspect.getdoc(original) or ''}"
+    )
+    _originals[(owner, name)] = attribute
+    setattr(owner, name, classmethod(wrapper) if is_classmethod else wrapper)
 
 
 def _wrap_peft_model() -> None:
     from peft import PeftModel
 
-    if getattr(PeftModel.from_pretrained, _WRAPPED_MARK, False):
-        return
+    def wrap_from_pretrained(original):
+        def from_pretrained_adding_energy_gates(cls, model, model_id, *args, **kwargs):
+            return _load_with_gates(model, model_id, lambda: original(cls, model, model_id, *args, **kwargs), **kwargs)
 
-    from_pretrained = PeftModel.__dict__["from_pretrained"].__func__
-    save_pretrained = PeftModel.save_pretrained
-    load_adapter = PeftModel.load_adapter
+        return from_pretrained_adding_energy_gates
 
-    @functools.wraps(from_pretrained)
-    def from_pretrained_with_gates(cls, model, model_id, *args, **kwargs):
-        return _load_with_gates(model, model_id, lambda: from_pretrained(cls, model, model_id, *args, **kwargs),
-                                **kwargs)
+    def wrap_load_adapter(original):
+        def load_adapter_adding_energy_gates(self, model_id, *args, **kwargs):
+            return _load_with_gates(self, model_id, lambda: original(self, model_id, *args, **kwargs), **kwargs)
 
-    @functools.wraps(save_pretrained)
-    def save_pretrained_with_gates(self, save_directory, *args, **kwargs):
-        result = save_pretrained(self, save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            write_gate_config(self, save_directory, kwargs.get("selected_adapters"))
-        return result
+        return load_adapter_adding_energy_gates
 
-    @functools.wraps(load_adapter)
-    def load_adapter_with_gates(self, model_id, *args, **kwargs):
-        prepare_model_for_adapter(self, model_id, add_missing_gates=False, **kwargs)
-        return load_adapter(self, model_id, *args, **kwargs)
+    def wrap_save_pretrained(original):
+        signature = inspect.signature(original)
 
-    for function in (from_pretrained_with_gates, save_pretrained_with_gates, load_adapter_with_gates):
-        setattr(function, _WRAPPED_MARK, True)
-    PeftModel.from_pretrained = classmethod(from_pretrained_with_gates)
-    PeftModel.save_pretrained = save_pretrained_with_gates
-    PeftModel.load_adapter = load_adapter_with_gates
+        def save_pretrained_writing_gate_config(self, save_directory, *args, **kwargs):
+            result = original(self, save_directory, *args, **kwargs)
+            arguments = signature.bind(self, save_directory, *args, **kwargs).arguments
+            if arguments.get("is_main_process", True):
+                write_gate_config(self, save_directory, arguments.get("selected_adapters"))
+            return result
+
+        return save_pretrained_writing_gate_config
+
+    _install(PeftModel, "from_pretrained", wrap_from_pretrained, ADDS_GATES, NO_GATE_CONFIG)
+    _install(PeftModel, "load_adapter", wrap_load_adapter, ADDS_GATES + " (to its base model)", NO_GATE_CONFIG)
+    _install(PeftModel, "save_pretrained", wrap_save_pretrained,
+             f"a model with energy gates also writes their configuration into each adapter folder ({GATE_CONFIG_NAME})",
+             "a model without energy gates")
 
 
 def _wrap_transformers_load_adapter() -> None:
     from transformers.integrations.peft import PeftAdapterMixin
 
-    load_adapter = PeftAdapterMixin.load_adapter
-    if getattr(load_adapter, _WRAPPED_MARK, False):
-        return
+    def wrap_load_adapter(original):
+        signature = inspect.signature(original)
 
-    @functools.wraps(load_adapter)
-    def load_adapter_with_gates(self, peft_model_id=None, *args, **kwargs):
-        if peft_model_id is None:
-            return load_adapter(self, peft_model_id, *args, **kwargs)
-        hub_kwargs = {**(kwargs.get("adapter_kwargs") or {}), **kwargs}
-        return _load_with_gates(self, peft_model_id, lambda: load_adapter(self, peft_model_id, *args, **kwargs),
-                                **hub_kwargs)
+        def load_adapter_adding_energy_gates(self, *args, **kwargs):
+            arguments = signature.bind(self, *args, **kwargs).arguments
+            load_config = arguments.get("load_config")
+            model_id = arguments.get("peft_model_id") or getattr(load_config, "pretrained_model_name_or_path", None)
+            if model_id is None:  # an adapter given as peft_config + adapter_state_dict: no folder to look in
+                return original(self, *args, **kwargs)
+            hub_kwargs = {**(getattr(load_config, "download_kwargs", None) or {}), **arguments.get("kwargs", {}),
+                          **(arguments.get("adapter_kwargs") or {})}
+            if arguments.get("local_files_only"):
+                hub_kwargs["local_files_only"] = True
+            return _load_with_gates(self, model_id, lambda: original(self, *args, **kwargs), **hub_kwargs)
 
-    setattr(load_adapter_with_gates, _WRAPPED_MARK, True)
-    PeftAdapterMixin.load_adapter = load_adapter_with_gates
+        return load_adapter_adding_energy_gates
+
+    _install(PeftAdapterMixin, "load_adapter", wrap_load_adapter, ADDS_GATES, NO_GATE_CONFIG)
 
 
-def register_peft_integration() -> bool:
-    """Register the default target modules and the gate-aware adapter loading with PEFT (run on ``import
-    hf_spectral``; idempotent). Returns False when PEFT is not installed."""
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        return False
+def _register_with_peft() -> None:
     register_peft_target_modules()
-    _wrap_peft_model()
-    _wrap_transformers_load_adapter()
-    return True
+    if _wrap_peft_model_on_import:
+        _wrap_peft_model()
+
+
+class _RegisteringLoader:
+    """Stands in for peft's loader while its module executes, then registers (and gives the module its loader
+    back)."""
+
+    def __init__(self, loader, hook):
+        self.loader, self.hook = loader, hook
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.hook.remove()
+        _register_with_peft()
+
+    def __getattr__(self, name):  # anything else a loader offers (resources, source) is the real loader's
+        return getattr(self.loader, name)
+
+
+class PeftImportHook(importlib.abc.MetaPathFinder):
+    """A finder for the module ``peft`` alone, first in ``sys.meta_path``: it finds peft's spec through the other
+    finders and has the registration run right after peft's ``__init__`` has executed, then leaves
+    ``sys.meta_path``. So ``import hf_spectral`` need not import PEFT."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "peft":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _RegisteringLoader(spec.loader, self)
+        return spec
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def _switch_from_environment() -> bool:
+    value = os.environ.get(SWITCH_VARIABLE, "1").strip().lower()
+    if value not in SWITCH_VALUES:
+        raise ValueError(f"{SWITCH_VARIABLE}={os.environ[SWITCH_VARIABLE]!r}: expected 1 (wrappers on) or 0 (off)")
+    return SWITCH_VALUES[value]
+
+
+def register_peft_integration(wrap_loaders: bool | None = None) -> None:
+    """Register the default target modules with PEFT and, with ``wrap_loaders`` (default: unless
+    ``HF_SPECTRAL_PEFT_INTEGRATION=0``), wrap the adapter loaders and ``PeftModel.save_pretrained`` (see the module
+    docstring). Runs on ``import hf_spectral``; idempotent. Imports no PEFT: when it is not imported yet, the
+    registration runs right after ``import peft``."""
+    global _wrap_peft_model_on_import
+    wrap_loaders = _switch_from_environment() if wrap_loaders is None else wrap_loaders
+    _wrap_peft_model_on_import = _wrap_peft_model_on_import or wrap_loaders
+    if wrap_loaders:
+        _wrap_transformers_load_adapter()  # transformers' module is imported with PreTrainedModel: no PEFT needed
+    if "peft" in sys.modules:
+        _register_with_peft()
+    elif not any(isinstance(finder, PeftImportHook) for finder in sys.meta_path) and importlib.util.find_spec("peft"):
+        sys.meta_path.insert(0, PeftImportHook())
+
+
+def unregister_peft_integration() -> None:
+    """Put PEFT's and transformers' own methods back (the very attributes the classes had), and wrap nothing when
+    PEFT is imported later. The default target modules stay registered."""
+    global _wrap_peft_model_on_import
+    _wrap_peft_model_on_import = False
+    for (owner, name), attribute in _originals.items():
+        setattr(owner, name, attribute)
+    _originals.clear()
 
 
 __all__ = [
     "CHIAR_LORA_TARGET_MODULES",
-    "adapter_gate_info",
+    "PeftImportHook",
     "load_gated_adapter",
     "prepare_model_for_adapter",
     "register_peft_integration",
     "register_peft_target_modules",
+    "unregister_peft_integration",
     "write_gate_config",
 ]

@@ -67,4 +67,6 @@ def register_auto_classes() -> None:
 
     from .peft_integration import register_peft_integration
 
-    register_peft_integration()  # default LoRA targets, adapters that keep their energy gates (when PEFT is installed)
+    # Default LoRA targets, adapters that keep their energy gates (HF_SPECTRAL_PEFT_INTEGRATION=0: targets only);
+    # PEFT itself is not imported here
+    register_peft_integration()

@@ -21,11 +21,14 @@ Gates next to LoRA adapters (PEFT): the gates train through ``modules_to_save`` 
     peft_model.save_pretrained("adapter")          # LoRA weights, trained gates, gate configuration
 
     base = AutoModelForCausalLM.from_pretrained("path/or/hub-id")      # no gates
-    model = PeftModel.from_pretrained(base, "adapter")   # gates added, LoRA weights and trained gates restored
+    model = PeftModel.from_pretrained(base, "adapter")   # gates added (a warning), LoRA weights and trained gates
 
-Loading such an adapter never drops its gates: when they cannot be restored (no gate configuration in the folder,
-gates configured differently, gates that live in a gated base checkpoint) it raises a ``ValueError`` saying what
-to do (``hf_spectral.peft_integration``; ``load_gated_adapter(base, "adapter")`` does the same explicitly).
+The gates go into ``base`` as the identity and the trained ones into PEFT's copies, so ``disable_adapter()`` and
+other adapters see ``base`` unchanged; the same holds for ``AutoPeftModelFor*``, ``PeftModel.load_adapter`` and
+transformers' ``model.load_adapter``. When the gates cannot be restored (gates configured differently, gates that
+live in a gated base checkpoint) loading raises a ``ValueError`` saying what to do. ``hf_spectral.peft_integration``
+tells how (it wraps those loaders and ``PeftModel.save_pretrained``) and how to switch it off;
+``load_gated_adapter(base, "adapter")`` does the same explicitly.
 
 A gates-only file (a few kilobytes): ``save_energy_gates(model, "gates.safetensors")`` and
 ``load_energy_gates(model, "gates.safetensors")``, which refuses a file made for another model and leaves the model

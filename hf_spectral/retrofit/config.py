@@ -21,6 +21,9 @@ from ..ops.validation import (
 logger = logging.get_logger(__name__)
 
 CONFIG_NAME = "energy_gate_config.json"
+# Starting values of gate parameters: gates configured alike but for these compute the same once their weights are
+# loaded (α = 0 makes a gate the identity whatever τ is).
+INIT_ONLY_FIELDS = ("tau_init", "alpha_init")
 
 
 @dataclass
@@ -130,3 +133,9 @@ def read_gate_config_file(path: str) -> dict:
     if not isinstance(values, dict):
         raise ValueError(f"{path} is not a valid {CONFIG_NAME}: it holds a {type(values).__name__}, not an object")
     return values
+
+
+def gate_structure(values: dict) -> dict:
+    """The entries of a gate configuration that decide the gates' parameters and what they compute: all but the
+    starting values (``INIT_ONLY_FIELDS``). Two gate configurations are the same gates when these are equal."""
+    return {key: value for key, value in values.items() if key not in INIT_ONLY_FIELDS}

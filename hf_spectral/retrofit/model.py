@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..file_permissions import apply_umask
-from .config import EnergyGateConfig
+from .config import EnergyGateConfig, gate_structure
 from .layer import EnergyGatedAttentionMixin
 from .modeling_energy_gated import (  # noqa: F401  (family_of_class, init_energy_gates: used by the CLI and tests)
     EnergyGatedModelMixin,
@@ -322,7 +322,7 @@ def load_energy_gates(model, path: str):
             raise ValueError(f"{path} was made for a model with {key}={saved.get(key)!r}, this model has {value!r}")
     gate_config = EnergyGateConfig.from_dict(saved["config"])
     added = not has_energy_gates(model)
-    if not added and dict(model.config.energy_gates) != gate_config.to_dict():
+    if not added and gate_structure(model.config.energy_gates) != gate_structure(gate_config.to_dict()):
         raise ValueError(f"{path} holds gates configured as {gate_config.to_dict()}, the model's are {model.config.energy_gates}")
     if added:
         add_energy_gates(model, gate_config)

@@ -132,3 +132,13 @@ def test_a_failed_add_leaves_the_model_unchanged(tmp_path, monkeypatch):
     assert_unchanged(model, before)
     monkeypatch.undo()
     add_energy_gates(model, EnergyGateConfig())  # and it can still be gated afterwards
+
+
+def test_gates_that_differ_only_in_their_starting_values_take_the_file(tmp_path):
+    """tau_init and alpha_init only start τ and α, which the file holds: a model whose gates started elsewhere has
+    the same gates (as after loading a gated adapter, whose gates are added as the identity)."""
+    path, tensors, _ = gates_file(tmp_path)  # alpha_init=0.5
+    model = add_energy_gates(gpt2(), EnergyGateConfig(alpha_init=0.0, tau_init=2.0))
+    load_energy_gates(model, path)
+    state = model.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in tensors.items())

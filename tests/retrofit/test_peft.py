@@ -1,4 +1,5 @@
-"""PEFT: default LoRA targets for the hf_spectral models, and adapters of gated models that cannot lose their gates."""
+"""PEFT: default LoRA targets for the hf_spectral models, and adapters of gated models that keep their gates through
+every loader (PeftModel.from_pretrained / load_adapter, AutoPeftModel, transformers' load_adapter)."""
 
 import warnings
 
@@ -12,7 +13,9 @@ from transformers.utils import logging as transformers_logging
 import hf_spectral  # noqa: F401  (registers the PEFT integration)
 from hf_spectral import ChiarConfig, ChiarForCausalLM, EGAConfig, EGAForCausalLM
 from hf_spectral.peft_integration import GATE_CONFIG_NAME, load_gated_adapter
-from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates, has_energy_gates
+from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates, gated_attention_modules, has_energy_gates
+
+INTEGRATION_LOGGER = transformers_logging.get_logger("hf_spectral.peft_integration")
 
 VOCAB = 50
 
@@ -143,16 +146,28 @@ def test_saving_a_gated_adapter_records_the_gate_config(tmp_path):
     assert EnergyGateConfig.from_pretrained(adapter) == EnergyGateConfig(alpha_init=0.5, layers=[1])
 
 
+def identity_gates(model) -> bool:
+    """Whether every gate of the model itself (not PEFT's trained copies) has α = 0, the identity."""
+    gates = [attention.energy_gate for attention in gated_attention_modules(model)]
+    return bool(gates) and all(not getattr(gate, "original_module", gate).alpha.any() for gate in gates)
+
+
 def test_plain_peft_loading_onto_a_model_without_gates_restores_them(tmp_path):
     base_path, adapter, expected = trained_gated_adapter(tmp_path)
     ids, mask = batch()
     fresh = AutoModelForCausalLM.from_pretrained(base_path)
+    stock = logits(fresh.eval(), ids, mask)
     assert not has_energy_gates(fresh)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), CaptureLogger(INTEGRATION_LOGGER) as captured:
         warnings.simplefilter("error", UserWarning)  # no "missing adapter keys"
         restored = PeftModel.from_pretrained(fresh, adapter).eval()
+    assert f"the adapter {adapter} was trained with energy gates" in captured.out and "'layers': [1]" in captured.out
     assert has_energy_gates(restored.get_base_model())
     torch.testing.assert_close(logits(restored, ids, mask), expected, atol=1e-6, rtol=0)
+    # the model's own gates are the identity (the adapter's started at α = 0.5): without the adapter, the stock model
+    assert identity_gates(restored.get_base_model())
+    with restored.disable_adapter():
+        torch.testing.assert_close(logits(restored, ids, mask), stock, atol=1e-6, rtol=0)
     # the trained gates matter: the same LoRA on fresh gates gives other logits
     untrained = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path),
                                  EnergyGateConfig(alpha_init=0.5, layers=[1])).eval()
@@ -190,27 +205,18 @@ def test_every_named_adapter_folder_records_the_gate_config_and_loads_alone(tmp_
 def test_transformers_load_adapter_restores_the_gates_too(tmp_path):
     base_path, adapter, expected = trained_gated_adapter(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(base_path)
-    model.load_adapter(str(adapter))
+    assert type(model) is GPT2LMHeadModel
+    with CaptureLogger(INTEGRATION_LOGGER) as captured:
+        model.load_adapter(str(adapter))
+    assert f"the adapter {adapter} was trained with energy gates: added them to the model" in captured.out
     model.eval()
     ids, mask = batch()
-    assert has_energy_gates(model)
+    assert has_energy_gates(model) and identity_gates(model)
     torch.testing.assert_close(logits(model, ids, mask), expected, atol=1e-6, rtol=0)
     # an adapter folder given to the Auto class: transformers loads the base, then the adapter through load_adapter
     auto = AutoModelForCausalLM.from_pretrained(adapter).eval()
     assert has_energy_gates(auto)
     torch.testing.assert_close(logits(auto, ids, mask), expected, atol=1e-6, rtol=0)
-
-
-def test_gate_weights_are_never_dropped_silently(tmp_path):
-    base_path, adapter, _ = trained_gated_adapter(tmp_path)
-    (adapter / GATE_CONFIG_NAME).unlink()  # an adapter saved elsewhere, without the gate configuration
-    with pytest.raises(ValueError, match="holds trained energy-gate weights.*would be dropped"):
-        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter)
-    with pytest.raises(ValueError, match="holds trained energy-gate weights"):
-        AutoModelForCausalLM.from_pretrained(base_path).load_adapter(str(adapter))
-    # ... and once the gates are added by hand, it loads
-    model = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path), EnergyGateConfig(alpha_init=0.5, layers=[1]))
-    PeftModel.from_pretrained(model, adapter)
 
 
 def test_a_corrupt_gate_config_is_named(tmp_path):
@@ -227,10 +233,27 @@ def test_differently_configured_gates_are_refused(tmp_path):
         PeftModel.from_pretrained(model, adapter)
 
 
+def test_gates_that_differ_only_in_their_starting_values_take_the_adapter(tmp_path):
+    """τ and α of the adapter's gates start at its tau_init / alpha_init, then come from its weights: a model whose
+    gates started elsewhere has the same gates."""
+    base_path, adapter, expected = trained_gated_adapter(tmp_path)  # alpha_init=0.5
+    model = add_energy_gates(AutoModelForCausalLM.from_pretrained(base_path),
+                             EnergyGateConfig(layers=[1], alpha_init=0.0, tau_init=1.0))
+    restored = PeftModel.from_pretrained(model, adapter).eval()
+    ids, mask = batch()
+    torch.testing.assert_close(logits(restored, ids, mask), expected, atol=1e-6, rtol=0)
+
+
 def test_gates_that_live_in_the_base_checkpoint_are_not_silently_missing(tmp_path):
     base_path, adapter, _ = trained_gated_adapter(tmp_path, modules_to_save=())  # gates frozen in the base model
-    with pytest.raises(ValueError, match="does not contain them: they are part of the base checkpoint"):
-        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter)
+    loads = (lambda model: PeftModel.from_pretrained(model, adapter), lambda model: model.load_adapter(str(adapter)),
+             lambda model: get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4)).load_adapter(adapter, "gated"))
+    for load in loads:
+        base = AutoModelForCausalLM.from_pretrained(base_path)
+        with pytest.raises(ValueError, match=r"holds no trained weights for .*part of the base checkpoint.*"
+                                             r"add_energy_gates\(model, EnergyGateConfig.from_pretrained"):
+            load(base)
+        assert type(base) is GPT2LMHeadModel and not has_energy_gates(base)
 
 
 def test_lora_on_the_gates_projections_does_not_carry_the_gates(tmp_path):
@@ -241,31 +264,56 @@ def test_lora_on_the_gates_projections_does_not_carry_the_gates(tmp_path):
 
     with safe_open(adapter / "adapter_model.safetensors", framework="pt") as handle:
         assert any(".energy_gate.energy.proj.lora_A" in key for key in handle.keys())
-    with pytest.raises(ValueError, match="does not contain them: they are part of the base checkpoint"):
+    with pytest.raises(ValueError, match="holds no trained weights for .*part of the base checkpoint"):
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter)
 
 
 def test_a_failed_load_leaves_the_base_model_as_it_was(tmp_path):
-    """Gates added for an adapter are removed again when PEFT then fails (here: no module matches its targets)."""
+    """Gates added for an adapter are removed again when PEFT then fails (here: its config has rank 0, which PEFT
+    refuses when it injects the layers, after the gates were added)."""
     import json
 
     base_path, adapter, _ = trained_gated_adapter(tmp_path)
     config = json.loads((adapter / "adapter_config.json").read_text())
-    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["no_such_module"]}))
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "r": 0}))
     loads = (lambda model: PeftModel.from_pretrained(model, adapter), lambda model: load_gated_adapter(model, adapter),
-             lambda model: model.load_adapter(str(adapter)))
+             lambda model: model.load_adapter(str(adapter)),
+             lambda model: get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4)).load_adapter(adapter, "gated"))
     for load in loads:
         base = AutoModelForCausalLM.from_pretrained(base_path)
-        with pytest.raises(ValueError, match="target_modules|no_such_module"):
+        with pytest.raises(ValueError, match="`r` should be a positive integer"):
             load(base)
         assert type(base) is GPT2LMHeadModel and not has_energy_gates(base)
 
 
-def test_a_further_adapter_needs_the_gates_in_the_peft_model(tmp_path):
-    base_path, adapter, _ = trained_gated_adapter(tmp_path)
-    plain = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path), LoraConfig(task_type="CAUSAL_LM", r=4))
-    with pytest.raises(ValueError, match="add them before wrapping the model with PEFT"):
-        plain.load_adapter(adapter, adapter_name="gated")
+def test_a_further_gated_adapter_adds_the_gates_under_a_peft_model(tmp_path):
+    """PeftModel.load_adapter of a gated adapter into a PEFT model whose base has no gates: the gates go into the base
+    model as the identity, so the first adapter and the model without adapters compute what they did."""
+    base_path, adapter, expected = trained_gated_adapter(tmp_path)
+    ids, mask = batch()
+    stock = logits(AutoModelForCausalLM.from_pretrained(base_path).eval(), ids, mask)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_path), LoraConfig(task_type="CAUSAL_LM", r=4))
+    first = logits(train_steps(peft_model), ids, mask)
+    with CaptureLogger(INTEGRATION_LOGGER) as captured:
+        peft_model.load_adapter(adapter, adapter_name="gated")
+    assert f"the adapter {adapter} was trained with energy gates" in captured.out
+    assert has_energy_gates(peft_model.get_base_model()) and identity_gates(peft_model.get_base_model())
+    torch.testing.assert_close(logits(peft_model, ids, mask), first, atol=1e-6, rtol=0)
+    peft_model.set_adapter("gated")
+    torch.testing.assert_close(logits(peft_model, ids, mask), expected, atol=1e-6, rtol=0)
+    with peft_model.disable_adapter():
+        torch.testing.assert_close(logits(peft_model, ids, mask), stock, atol=1e-6, rtol=0)
+
+    # saved together, each adapter loads alone onto the stock model: the first needs no gates (the model's were the
+    # identity while it trained), the second brings its own
+    peft_model.save_pretrained(tmp_path / "both")
+    assert not (tmp_path / "both" / GATE_CONFIG_NAME).exists()
+    assert (tmp_path / "both" / "gated" / GATE_CONFIG_NAME).exists()
+    alone = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), tmp_path / "both").eval()
+    assert not has_energy_gates(alone.get_base_model())
+    torch.testing.assert_close(logits(alone, ids, mask), first, atol=1e-6, rtol=0)
+    gated = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), tmp_path / "both" / "gated")
+    torch.testing.assert_close(logits(gated.eval(), ids, mask), expected, atol=1e-6, rtol=0)
 
 
 def test_adapters_of_ungated_models_and_of_ega_gpt_load_as_before(tmp_path):
