@@ -33,6 +33,17 @@ def test_generalization_gap_is_validation_minus_training_over_runs():
     assert result["gap_std"] == pytest.approx(np.std([0.3, 0.5], ddof=1))
 
 
+def test_accuracy_scores_every_reference_but_the_ignored_ones():
+    metric = load_metric("accuracy")
+    assert metric.compute(predictions=[0, 1, 1, 2], references=[0, 1, 2, 2])["accuracy"] == 0.75
+    # -100 marks what Trainer's labels do not score (padding); weights count examples unequally
+    assert metric.compute(predictions=[0, 5, 1, 2], references=[0, -100, 2, 2])["accuracy"] == pytest.approx(2 / 3)
+    assert metric.compute(predictions=[0, 1], references=[0, 2], sample_weight=[3, 1])["accuracy"] == 0.75
+    assert metric.compute(predictions=[0, 1], references=[0, 2], normalize=False)["accuracy"] == 1
+    with pytest.raises(ValueError, match="no example to score"):
+        metric.compute(predictions=[1], references=[-100])
+
+
 def test_token_nll_matches_the_model_loss():
     torch.manual_seed(0)
     logits, labels = torch.randn(3, 7, 11), torch.randint(0, 11, (3, 7))
@@ -64,7 +75,7 @@ def test_compute_metrics_ignores_padded_positions():
 
 def test_unknown_metric_module_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="no metric module"):
-        load_metric("accuracy")
+        load_metric("bleu")
 
 
 def test_split_accuracy_per_group_reads_the_groups_of_the_predicted_rows():
