@@ -1,0 +1,249 @@
+"""Train or fine-tune one causal language model with transformers' `Trainer`, on any data: transformers'
+examples/pytorch/language-modeling/run_clm.py, with hf_spectral's models and additions.
+
+    python -m training.run_clm --model_name_or_path path/or/hub-id --train_file corpus.txt --block_size 256 \\
+        --do_train --do_eval --output_dir out --add_energy_gates --lora_r 8 --max_steps 1000
+    python -m training.run_clm --model_type ega_gpt --variant EGA-1 --config_overrides num_hidden_layers=4 \\
+        --tokenizer_name char --train_file corpus.txt --do_train --do_eval --output_dir out
+    python -m training.run_clm args.json [--option value ...]    # arguments from a JSON file; options after it win
+    hf-spectral train clm --help
+
+Model: a checkpoint (--model_name_or_path: any AutoModelForCausalLM, EGA-GPT and CHIAR-Former included), or a new
+model of --model_type with --config_overrides (EGA-GPT: of --variant) and --tokenizer_name (a tokenizer, or `char`).
+hf_spectral's additions: energy gates on a GPT-2 / Llama / Mistral / Qwen2 model (--add_energy_gates, --gate_*,
+--train_only_gates), LoRA (--lora_r; added gates train beside it and are saved in the adapter), CHIAR-Former's
+threshold calibration before training and its routing fractions and FLOPs in the training logs.
+Data: --dataset_name (the Hub, through `datasets`) or --train_file / --validation_file (.txt, .json, .jsonl,
+.csv), tokenized and cut into blocks of --block_size tokens; --streaming reads the data as it trains.
+Output in --output_dir, as run_clm writes it: the model (or the adapter) and tokenizer, train_results.json,
+eval_results.json (with perplexity), all_results.json, trainer_state.json, README.md (the model card).
+Everything else is a TrainingArguments option: --do_train, --do_eval, --max_steps, --resume_from_checkpoint,
+--bf16, --report_to, --use_cpu, --push_to_hub; torchrun and `accelerate launch` run it data-parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from itertools import chain
+
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator, set_seed
+
+from .common.run_scripts import (
+    ChiarRoutingCallback,
+    ModelArguments,
+    SpectralArguments,
+    UsageError,
+    add_gates_and_lora,
+    build_config,
+    build_model,
+    build_tokenizer,
+    calibrate_routing,
+    check_arguments,
+    check_column,
+    check_data_files,
+    column_names,
+    first_examples,
+    fixed_batches,
+    is_chiar,
+    leak_free_metrics,
+    load_raw_datasets,
+    parse_arguments,
+    program_name,
+    run_main,
+    sees_future_tokens,
+    setup_logging,
+    write_model_card,
+)
+from .common.trainer import load_metric
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataTrainingArguments:
+    """The text to train and evaluate on."""
+
+    dataset_name: str | None = field(default=None, metadata={"help": "A dataset of the Hub (through `datasets`)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration, e.g. wikitext-2-v1."})
+    train_file: str | None = field(default=None, metadata={"help": "Training text: a .txt, .json, .jsonl or .csv."})
+    validation_file: str | None = field(default=None, metadata={"help": "Evaluation text, in the same format."})
+    text_column_name: str | None = field(
+        default=None, metadata={"help": "Column of the text (default: `text` if there is one, else the first column)."}
+    )
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per training block: the text is tokenized, concatenated and cut into blocks of this "
+                  "length (default: the model's context, at most 1024)."},
+    )
+    streaming: bool = field(
+        default=False, metadata={"help": "Read the data as a stream while training (big corpora; needs --max_steps)."}
+    )
+    keep_linebreaks: bool = field(default=True, metadata={"help": "Keep the line breaks of .txt files."})
+    validation_split_percentage: int = field(
+        default=5, metadata={"help": "Without a validation split: the percentage of the training split held out."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Train on the first N blocks only."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N blocks only."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes that tokenize."})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Tokenize again instead of reading the cache."})
+
+    def __post_init__(self):
+        check_data_files(self, extensions=("txt", "json", "jsonl", "csv"))
+        if not 0 < self.validation_split_percentage < 100:
+            raise ValueError(f"--validation_split_percentage must be in 1..99, got {self.validation_split_percentage}")
+        for name in ("block_size", "max_train_samples", "max_eval_samples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+
+
+def main(argv=None) -> int:
+    prog = program_name("run_clm", "clm")
+    return run_main(lambda arguments: run(arguments, prog), argv, prog)
+
+
+def run(argv, prog: str) -> int:
+    model_args, data_args, spectral_args, training_args = parse_arguments(
+        (ModelArguments, DataTrainingArguments, SpectralArguments, TrainingArguments), argv, prog, __doc__)
+    setup_logging(training_args)
+    check_arguments(model_args, spectral_args, training_args)
+    if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
+        raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs by")
+    set_seed(training_args.seed)
+
+    # Data: a Hub dataset or local files, with a validation split for --do_eval
+    raw_datasets = load_raw_datasets(data_args, model_args, need_validation=training_args.do_eval,
+                                     streaming=data_args.streaming)
+    splits = [split for split, wanted in (("train", training_args.do_train), ("validation", training_args.do_eval))
+              if wanted]
+    if "train" in splits and "train" not in raw_datasets:
+        raise UsageError("--do_train needs a training split (--train_file, or a dataset that has one)")
+    columns = column_names(raw_datasets[splits[0]])
+    text_column = data_args.text_column_name or ("text" if "text" in columns else columns[0])
+    for split in splits:
+        check_column(raw_datasets[split], text_column, "--text_column_name")
+
+    # Config, tokenizer, model
+    config = build_config(model_args)
+    train_texts = None if data_args.streaming or "train" not in raw_datasets else raw_datasets["train"][text_column]
+    tokenizer = build_tokenizer(model_args, train_texts)
+    model = build_model(AutoModelForCausalLM, model_args, config, tokenizer)
+    if model.loss_type is None:
+        # A class name transformers reads no loss type from (GPT2LMHeadModel): the model computes ForCausalLM's loss
+        # anyway, but Trainer would then count T tokens per block of T instead of the T - 1 predicted ones, and
+        # report every loss (T - 1) / T of its value. Naming the loss it computes makes Trainer count right.
+        model.loss_type = "ForCausalLM"
+
+    # hf_spectral's additions: energy gates, only the gates trainable, LoRA
+    model = add_gates_and_lora(model, spectral_args, task_type="CAUSAL_LM")
+
+    # Tokenize, concatenate and cut into blocks
+    if data_args.block_size is None:
+        block_size = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", 1024), 1024)
+    else:
+        if data_args.block_size > tokenizer.model_max_length:
+            logger.warning(f"--block_size {data_args.block_size} is longer than the tokenizer's maximum length "
+                           f"({tokenizer.model_max_length}); using {tokenizer.model_max_length}")
+        block_size = min(data_args.block_size, tokenizer.model_max_length)
+
+    def tokenize(examples):
+        return tokenizer(examples[text_column])
+
+    def group_texts(examples):
+        concatenated = {key: list(chain(*examples[key])) for key in examples}
+        total_length = len(concatenated["input_ids"]) // block_size * block_size  # the remainder is dropped
+        result = {key: [tokens[i:i + block_size] for i in range(0, total_length, block_size)]
+                  for key, tokens in concatenated.items()}
+        result["labels"] = result["input_ids"].copy()
+        return result
+
+    lm_datasets = {}
+    with training_args.main_process_first(desc="tokenizing and grouping the text into blocks"):
+        for split in splits:
+            options = {} if data_args.streaming else {
+                "num_proc": data_args.preprocessing_num_workers, "load_from_cache_file": not data_args.overwrite_cache}
+            tokenized = raw_datasets[split].map(tokenize, batched=True,
+                                                remove_columns=column_names(raw_datasets[split]), **options)
+            lm_datasets[split] = tokenized.map(group_texts, batched=True, **options)
+    train_dataset = eval_dataset = None
+    if "train" in lm_datasets:
+        train_dataset = first_examples(lm_datasets["train"], data_args.max_train_samples)
+    if "validation" in lm_datasets:
+        eval_dataset = first_examples(lm_datasets["validation"], data_args.max_eval_samples)
+    for split, dataset in (("training", train_dataset), ("validation", eval_dataset)):
+        if dataset is not None and not data_args.streaming and len(dataset) == 0:
+            raise UsageError(f"the {split} text is shorter than one block of {block_size} tokens (--block_size)")
+
+    # Next-token accuracy, as run_clm (a local evaluate module: works offline)
+    accuracy = load_metric("accuracy")
+
+    def preprocess_logits_for_metrics(logits, labels):
+        return (logits[0] if isinstance(logits, tuple) else logits).argmax(dim=-1)
+
+    def compute_metrics(eval_prediction):
+        predictions, labels = eval_prediction
+        return accuracy.compute(predictions=predictions[:, :-1].reshape(-1), references=labels[:, 1:].reshape(-1))
+
+    # CHIAR-Former: calibration and routing measured on the first training batches
+    routing_callback = None
+    if is_chiar(model) and train_dataset is not None:
+        routing_callback = ChiarRoutingCallback(fixed_batches(
+            train_dataset, default_data_collator, spectral_args.calibration_batches,
+            training_args.per_device_train_batch_size))
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+        compute_metrics=compute_metrics if eval_dataset is not None else None,
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics if eval_dataset is not None else None,
+        callbacks=[routing_callback] if routing_callback else None,
+    )
+    if routing_callback:
+        routing_callback.set_trainer(trainer)
+
+    # Training
+    all_metrics = {}
+    if training_args.do_train:
+        if routing_callback:
+            calibrate_routing(trainer.model, routing_callback.batches, spectral_args)
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.save_model()  # the model (or the adapter) and the tokenizer
+        metrics = train_result.metrics
+        if not data_args.streaming:
+            metrics["train_samples"] = len(train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        all_metrics.update(metrics)
+
+    # Evaluation
+    if training_args.do_eval:
+        metrics = trainer.evaluate()
+        if not data_args.streaming:
+            metrics["eval_samples"] = len(eval_dataset)
+        try:
+            metrics["perplexity"] = math.exp(metrics["eval_loss"])
+        except OverflowError:
+            metrics["perplexity"] = float("inf")
+        if sees_future_tokens(model.config) and spectral_args.leak_free_eval_batches:
+            # Window statistics see later tokens: the ordinary loss is not a language model's
+            batches = fixed_batches(eval_dataset, default_data_collator, spectral_args.leak_free_eval_batches,
+                                    training_args.per_device_eval_batch_size)
+            metrics.update({f"eval_{key}": value for key, value in leak_free_metrics(trainer.model, batches).items()})
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        all_metrics.update(metrics)
+
+    write_model_card(trainer, model_args, data_args, all_metrics, script="run_clm", task="text-generation",
+                     tokenizer=tokenizer, routing_callback=routing_callback)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
