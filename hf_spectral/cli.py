@@ -2,7 +2,9 @@
 
 The recipes are the modules of ``hf_spectral.recipes`` (the repository's ``training/`` folder, installed under
 that name): ``hf-spectral train tinyshakespeare`` runs what ``python -m training.tinyshakespeare`` runs in a
-checkout. Each recipe parses its options before it imports torch, transformers or datasets.
+checkout. Each recipe parses its options before it imports torch, transformers or datasets. ``hf-spectral train
+clm`` and ``hf-spectral train classification`` run the scripts ``run_clm`` and ``run_classification`` (one model,
+your data, transformers' ``HfArgumentParser`` options, which need transformers to parse).
 """
 
 import importlib
@@ -23,6 +25,12 @@ RECIPES = {
     "rmt_signal_recovery": "the random-matrix theory of attention pooling, checked by simulation",
 }
 
+# The scripts in the shape of transformers' examples: `hf-spectral train NAME` -> module of hf_spectral.recipes
+SCRIPTS = {
+    "clm": ("run_clm", "train or fine-tune one causal LM: any checkpoint or model type, your data (as run_clm)"),
+    "classification": ("run_classification", "the same for one sequence classifier (as run_classification)"),
+}
+
 # What the [train] extra installs (import name -> distribution): checked before a recipe runs
 TRAIN_EXTRA = {"datasets": "datasets", "evaluate": "evaluate", "matplotlib": "matplotlib", "scipy": "scipy",
                "pywt": "PyWavelets"}
@@ -37,6 +45,9 @@ commands:
 
 recipes:
 {recipes}
+
+one model on your data (`hf-spectral train clm args.json` reads a JSON file of options):
+{scripts}
 """
 
 
@@ -47,18 +58,20 @@ def _version() -> str:
 
 
 def usage() -> str:
-    width = max(len(name) for name in RECIPES)
-    return USAGE.format(recipes="\n".join(f"  {name:<{width}}  {text}" for name, text in RECIPES.items()))
+    width = max(len(name) for name in [*RECIPES, *SCRIPTS])
+    return USAGE.format(recipes="\n".join(f"  {name:<{width}}  {text}" for name, text in RECIPES.items()),
+                        scripts="\n".join(f"  {name:<{width}}  {text}" for name, (_, text) in SCRIPTS.items()))
 
 
-def recipe_module(name: str):
-    """The module ``hf_spectral.recipes.<name>``; a ``ValueError`` naming the choices for an unknown recipe."""
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
-    module_name = f"{__package__}.recipes.{name}"
+def recipe_module_name(name: str) -> str:
+    """``hf_spectral.recipes.<name>`` (of a script: ``hf_spectral.recipes.run_<name>``); a ``ValueError`` naming the
+    choices for an unknown recipe."""
+    if name not in RECIPES and name not in SCRIPTS:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join([*RECIPES, *SCRIPTS])}")
+    module_name = f"{__package__}.recipes.{SCRIPTS[name][0] if name in SCRIPTS else name}"
     if importlib.util.find_spec(module_name) is None:
         raise ValueError(f"recipe {name!r} is not part of this installation (no module {module_name})")
-    return importlib.import_module(module_name)
+    return module_name
 
 
 def main(argv=None) -> int:
@@ -75,17 +88,18 @@ def main(argv=None) -> int:
             print(usage(), file=sys.stdout if rest else sys.stderr)
             return 0 if rest else 2
         try:
-            module = recipe_module(rest[0])
+            module_name = recipe_module_name(rest[0])
         except ValueError as error:
             print(f"hf-spectral train: error: {error}", file=sys.stderr)
             return 2
         missing = [name for name in TRAIN_EXTRA if importlib.util.find_spec(name) is None]
-        if missing and not {"-h", "--help"} & set(rest[1:]):
+        # A recipe answers --help without them; a script imports datasets to build its parser.
+        if missing and (rest[0] in SCRIPTS or not {"-h", "--help"} & set(rest[1:])):
             print(f"hf-spectral train: error: the recipes need {', '.join(TRAIN_EXTRA[name] for name in missing)}, "
                   f'which {"is" if len(missing) == 1 else "are"} not installed: pip install "hf_spectral[train]"',
                   file=sys.stderr)
             return 2
-        code = module.main(rest[1:])
+        code = importlib.import_module(module_name).main(rest[1:])
         # Recipes return their exit status; one that returns its results (rmt_signal_recovery) succeeded.
         return code if isinstance(code, int) else 0
     if command == "retrofit":

@@ -14,7 +14,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_spectral
-from hf_spectral.cli import RECIPES, main
+from hf_spectral.cli import RECIPES, SCRIPTS, main
 from hf_spectral.retrofit.cli import main as retrofit_main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def test_version_is_the_installed_distributions(capsys):
 def test_help_lists_every_recipe(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    assert all(f"  {name} " in text for name in RECIPES)
+    assert all(f"  {name} " in text for name in [*RECIPES, *SCRIPTS])
 
 
 def test_every_listed_recipe_is_a_module_of_the_package_and_every_recipe_module_is_listed():
@@ -38,12 +38,13 @@ def test_every_listed_recipe_is_a_module_of_the_package_and_every_recipe_module_
 
     folder = pathlib.Path(hf_spectral.recipes.__file__).parent
     assert folder.resolve() == (ROOT / "training").resolve()
-    missing = [name for name in RECIPES if not (folder / f"{name}.py").is_file()]
+    modules = [*RECIPES, *(module for module, _ in SCRIPTS.values())]
+    missing = [name for name in modules if not (folder / f"{name}.py").is_file()]
     assert not missing, f"recipes listed in hf_spectral/cli.py without a module in training/: {missing}"
     # A recipe is a module with a `main(argv)` entry point; helpers (results, *_data generators) are not listed.
     entry_points = {path.stem for path in folder.glob("*.py")
                     if "\ndef main(" in path.read_text() and not path.stem.endswith("_data")}
-    assert entry_points <= set(RECIPES), f"recipe modules not listed in hf_spectral/cli.py: {entry_points - set(RECIPES)}"
+    assert entry_points <= set(modules), f"modules not listed in hf_spectral/cli.py: {entry_points - set(modules)}"
 
 
 def test_unknown_command_and_recipe_are_one_line_errors(capsys):
@@ -53,6 +54,26 @@ def test_unknown_command_and_recipe_are_one_line_errors(capsys):
     assert main(["fly"]) == 2
     assert "unknown command 'fly'" in capsys.readouterr().err
     assert main(["train"]) == 2
+
+
+@pytest.mark.parametrize(
+    "command, options, message",
+    [
+        ("clm", ["--model_type", "gpt-5", "--train_file", "corpus.txt", "--do_train"], "unknown --model_type 'gpt-5'"),
+        ("classification", ["--model_type", "gpt2", "--train_file", "/nonexistent.csv", "--do_train"],
+         "--train_file /nonexistent.csv: no such file"),
+    ],
+)
+def test_train_clm_and_classification_run_the_scripts_with_one_line_errors(command, options, message, tmp_path):
+    """`hf-spectral train clm|classification` run training/run_clm.py and run_classification.py, whose errors name the
+    command the user typed."""
+    (tmp_path / "corpus.txt").write_text("to be or not to be\n")
+    console = os.path.join(os.path.dirname(sys.executable), "hf-spectral")
+    result = subprocess.run([console, "train", command, *options, "--output_dir", str(tmp_path / "out")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"hf-spectral train {command}: error: {message}")
+    assert not (tmp_path / "out").exists()
 
 
 def test_train_runs_the_recipe_of_the_package(capsys):
