@@ -48,7 +48,14 @@ from benchmarks.timing import (  # noqa: E402
 )
 from training.common.presets import positive_int  # noqa: E402  (the recipes' argument types)
 
-SIZE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, vocab_size=65)
+# Layers × width (heads of 32 channels, GPT-2 small's 12 of 64); a character vocabulary, so that the layers, not the
+# output projection, take the time. `--size` picks one; SIZE is the one this run measures.
+SIZES = {
+    "6x256": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, vocab_size=65),
+    "4x256": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, vocab_size=65),
+    "12x768": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, vocab_size=65),
+}
+SIZE = dict(SIZES["6x256"])
 SPEED_TARGET, MEMORY_TARGET = 0.95, 1.10
 BACKENDS = ("sdpa", "flex_attention", "eager")  # what --backends may name
 
@@ -63,13 +70,13 @@ REASONS = {
     "reads inside torch's compiled CPU flex kernel (the flex_kernel row: the kernel alone, with and without it; "
     "under flex_attention there is no extra channel and no copy)",
     "generate": "a gated attention layer's decoding step dispatches {gated} torch ops against the ungated layer's "
-    "{ungated} (counted in this run: the gate's energy projection, running-moment update and log-sigmoid, its state "
-    "and bias folded into the cached keys and values, the query padded; several are views) on tensors of a few "
-    "hundred values: bound by op dispatch, not arithmetic",
+    "{ungated} (counted in this run: the gate's energy projection, running-moment update and log-sigmoid, the "
+    "writes of each key's bias and state into the cache beside it, the bias as SDPA's mask; several are views) on "
+    "tensors of a few hundred values: bound by op dispatch, not arithmetic",
     "memory": "the folded channel stores q, k and v once more (D + 1 channels) for the backward pass",
     "compiled-generate": "compiled, the gate's per-step ops fuse into a few kernels; what stays is arithmetic "
-    "the baseline does not do: the gate's energy projection, and attention and cache writes over the folded head "
-    "(the key's bias channel and the gate's running moments in the value channels: D + 3 channels for EGA-1)",
+    "the baseline does not do: the gate's energy projection, its cache writes (each key's bias and running "
+    "moments), and SDPA with the bias as an additive mask",
     "generate_flex_attention": "the gate's per-step ops as under SDPA; besides, on CPU both models compile "
     "flex_attention for static shapes (with dynamic ones torch 2.13's CPU flex template cannot build kernels reading "
     "a captured tensor), so every new key length recompiles and, past dynamo's recompilation limit, runs "
@@ -193,7 +200,8 @@ def peak_memory_child(name, batch, length, backend):
 
 def peak_memory(name, batch, length, backend, threads):
     out = subprocess.run(
-        [sys.executable, __file__, "--memory-child", name, str(batch), str(length), backend, "--threads", str(threads)],
+        [sys.executable, __file__, "--memory-child", name, str(batch), str(length), backend, "--threads", str(threads),
+         "--size", next(size for size, values in SIZES.items() if values == SIZE)],
         capture_output=True, text=True, check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
@@ -235,9 +243,10 @@ def flex_kernel_line(label: str, ratio: float) -> str:
 
 
 def results_name(args) -> str:
-    """ega_gpt, ega_gpt_<first --only prefix>, each with _quick for --quick."""
+    """ega_gpt, ega_gpt_<size other than 6x256>, then _<first --only prefix>, each with _quick for --quick."""
+    size = f"_{args.size}" if args.size != "6x256" else ""
     only = f"_{args.only.split(',')[0].replace('-', '_')}" if args.only else ""
-    return f"ega_gpt{only}{'_quick' if args.quick else ''}"
+    return f"ega_gpt{size}{only}{'_quick' if args.quick else ''}"
 
 
 def aggregate_runs(args):
@@ -322,6 +331,8 @@ def backend_names(text: str) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer tokens and repeats")
+    parser.add_argument("--size", default="6x256", choices=list(SIZES),
+                        help="layers x width of both models (default 6x256; 12x768 is GPT-2 small's)")
     parser.add_argument("--repeats", type=positive_int, default=None)
     parser.add_argument("--backends", type=backend_names, default="sdpa,flex_attention",
                         help=f"comma-separated attention backends ({', '.join(BACKENDS)})")
@@ -347,6 +358,7 @@ def main():
                         "and its range (ratios from one process can move by several points between processes)")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    SIZE.update(SIZES[args.size])
     if args.runs > 1:
         return aggregate_runs(args)
     default_threads = torch.get_num_threads()

@@ -65,11 +65,10 @@ def main(argv=None):
                         if row["measurement"] == "sdpa_kernel_forward" and row["model"] != f"head_{head_dim}")
     reasons = {
         "generate": "each decoding step adds, per layer, the gate's small ops on a few hundred values (energy "
-        "projection, moment update, log-sigmoid, the folded keys' and values' cache writes: bound by op dispatch, "
-        f"bench_ega_gpt counts them) and attends over the folded head (D + 1 channels, {kernel_ratio:.3f}× in the "
-        "kernel alone: the sdpa_kernel_forward row)",
-        "compiled-generate": "compiled, the gate's element-wise work is fused; what stays is its energy projection "
-        "and attention and cache writes over the folded head",
+        "projection, moment update, log-sigmoid, the writes of each key's bias and state beside it in the cache: "
+        "bound by op dispatch, bench_ega_gpt counts them), and SDPA at the head size takes the bias as its mask",
+        "compiled-generate": "compiled, the gate's element-wise work is fused; what stays is its energy projection, "
+        "its cache writes and the bias as SDPA's mask",
     }
     spread = (lambda row: f" (median of {args.runs} runs, range {row['min_ratio']:.3f}-{row['max_ratio']:.3f})"
               if args.runs > 1 else "")

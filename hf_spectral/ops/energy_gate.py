@@ -14,8 +14,8 @@ This file holds the pure tensor functions and the ``EnergyGate`` module that own
   pass and every cached step), ``window`` (over the whole sequence: sees the future) and ``none``;
 * the log-gate bias, exactly 0 when α = 0, so that a fresh gate is an exact identity;
 * what a KV cache must keep per key so that a later step continues exactly where the full pass would be: the
-  running count, mean and M2 (``causal``) or the raw energies (``window``), stored as float32 whatever the
-  activation dtype (``pack_state``), then the filter history of the convolutional energies.
+  running count, mean and M2 (``causal``) or the raw energies (``window``), float32 whatever the activation dtype,
+  and the filter history of the convolutional energies (the cache layers that hold them: ``gate_cache.py``).
 
 Dropout: the bias form gates and renormalises *before* attention dropout (dropout then acts on the gated
 probabilities); the authors gate after dropout. The two agree exactly when attention dropout is 0.
@@ -81,6 +81,14 @@ def causal_zscore(
     """
     length = energy.shape[-1]
     past_count, past_mean, past_m2 = past if past is not None else (None, None, None)
+    if past is not None and length == 1 and weight is None:  # a decoding step after tokens: Welford's update
+        count = past_count + 1
+        delta = energy - past_mean
+        mean = torch.addcdiv(past_mean, delta, count)
+        centred = energy - mean
+        m2 = torch.addcmul(past_m2, delta, centred)  # ≥ 0 up to rounding, which the eps floor below covers
+        std = (m2 / (count - 1).clamp(min=1)).clamp(min=eps * eps).sqrt()
+        return centred / std, count, mean, m2
     if weight is None:  # every position is a token: no masking, counts are 1, 2, … (what weights of 1 would give)
         count = torch.arange(1, length + 1, device=energy.device, dtype=energy.dtype) if length > 1 or past is None else 1
         # After a past of tokens its mean is the reference (a past of padding only would have the defined mean 0).
@@ -179,29 +187,8 @@ def log_gate_bias(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Per-key state in a KV cache
+# Generation
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def state_channels(floats: int, dtype: torch.dtype) -> int:
-    """Channels of ``dtype`` that hold ``floats`` float32 values bit for bit (``pack_state``)."""
-    return floats * 4 // dtype.itemsize if dtype.itemsize < 4 else floats
-
-
-def pack_state(state: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 state (…, F) -> (…, ``state_channels(F, dtype)``) of ``dtype``: the float32 bits reinterpreted
-    in 16-bit dtypes (a bfloat16 KV cache then keeps running moments at full float32 precision), cast otherwise.
-    Caches only copy, reorder and slice what they hold, which keeps the bits. (A float64 cache keeps float64.)"""
-    if dtype.itemsize < 4:
-        return state.float().contiguous().view(dtype)
-    return as_dtype(state, dtype)
-
-
-def unpack_state(channels: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``pack_state``: (…, channels) of the cache's dtype -> float32 (…, F) (float64 stays)."""
-    if channels.dtype.itemsize < 4:
-        return channels.contiguous().view(torch.float32)
-    return at_least_float32(channels)
 
 
 def check_generation_mode(normalization: str, generation_mode: str, generation_config, model_name: str) -> None:
@@ -484,8 +471,9 @@ class EnergyGate(nn.Module):
     Parameters per head and scale: the energy function's, plus τ, α and one mixing logit (for EGA-1 at
     C = 256: w (256) + b + τ + α + m = 260, SPEC 1.1).
 
-    ``forward`` returns ``(bias, gate, aux)``: the logit bias for the attention, the gate values (recorded by
-    ``output_gate_values=True``) and the per-key state for the KV cache (``None`` unless asked).
+    ``forward`` returns ``(bias, gate, state, features)``: the logit bias for the attention, the gate values
+    (recorded by ``output_gate_values=True``) and the per-key state and features for the KV cache (``None`` unless
+    asked).
     """
 
     def __init__(
@@ -523,45 +511,41 @@ class EnergyGate(nn.Module):
 
     @property
     def cached_positions(self) -> int | None:
-        """How many of the latest cached keys' ``aux`` a call needs: the last one's running moments and the filter
-        history (causal, none), or every key (``None``: window statistics normalise the whole past again)."""
+        """How many of the latest cached keys' state and features a call needs: the last one's running moments and
+        the filter history (causal, none), or every key (``None``: window statistics normalise the whole past
+        again)."""
         return None if self.normalization == "window" else max(1, self.energy.history)
-
-    def aux_width(self, dtype: torch.dtype) -> int:
-        """Channels of ``dtype`` per key that a KV cache carries for this gate: packed state, then features."""
-        return state_channels(self.state_floats, dtype) + self.energy.feature_width
 
     def forward(
         self,
         x: torch.Tensor,
         valid: torch.Tensor | None = None,
-        past_aux: torch.Tensor | None = None,
-        return_aux: bool = False,
-        aux_dtype: torch.dtype | None = None,
+        past_state: torch.Tensor | None = None,
+        past_features: torch.Tensor | None = None,
+        return_state: bool = False,
     ):
         """Gate the keys of ``x``.
 
         Args:
             x: (B, T, C) the attention layer's (normalised) input for the new positions.
-            valid: (B, T_past + T) bool, False at padding, or ``None``: the cached keys of ``past_aux``, then the
-                new positions.
-            past_aux: (B, H, T_past, aux_width) what earlier calls returned as ``aux`` for the latest cached keys
-                (from the KV cache): at least the last ``cached_positions`` of them, or all. Positions before the
-                first key may be read as zeros (a ``StaticCache``, whose length stays on the device): a count of 0,
-                silence for the filters, False in ``valid``.
-            return_aux: also return the per-key state of the new positions for the cache.
-            aux_dtype: the dtype of the KV cache's values that will hold ``aux`` (default ``x.dtype``; under
-                autocast the values are the autocast dtype while ``x`` may be float32). ``past_aux`` is read in
-                its own dtype.
+            valid: (B, T_past + T) bool, False at padding, or ``None``: the cached keys of ``past_state`` /
+                ``past_features``, then the new positions.
+            past_state, past_features: what earlier calls returned as ``state`` and ``features`` for the latest
+                cached keys (from the KV cache): at least the last ``cached_positions`` of them, or all; ``None``
+                before the first key. Positions before the first key may be read as zeros (a ``StaticCache``, whose
+                length stays on the device): a count of 0, silence for the filters, False in ``valid``.
+            return_state: also return the per-key state and features of the new positions, for the cache.
 
         Returns:
             bias: (B, H, T) float32; with ``window`` normalisation and a past, (B, H, T_past + T), because
                 every key's statistics change when the window grows.
             gate: (B, H, T) gate values of the new positions.
-            aux: (B, H, T, aux_width) in ``aux_dtype``, or ``None``.
+            state: (B, H, T, state_floats) float32 (at least), or ``None`` (not asked, or no statistics).
+            features: (B, H, T, F') of ``x``'s dtype, what the filter energies read back, or ``None``.
         """
         length = x.shape[1]
-        past_length = 0 if past_aux is None else past_aux.shape[2]
+        past = past_state if past_state is not None else past_features
+        past_length = 0 if past is None else past.shape[2]
         if valid is not None and valid.shape[-1] != past_length + length:
             raise ValueError(
                 f"the padding mask covers {valid.shape[-1]} positions but the gate sees {past_length + length} "
@@ -570,25 +554,21 @@ class EnergyGate(nn.Module):
         new_valid = None if valid is None else valid[:, past_length:]
         if self.energy.history and new_valid is not None:  # padding reads as silence: left padding changes nothing
             x = x * new_valid[:, :, None].to(x.dtype)
-        width = state_channels(self.state_floats, past_aux.dtype) if past_length else 0
-        # the filter history sits after the statistics; on CUDA the folded head pads the cache's values after it
-        features = slice(width, width + self.energy.feature_width)
-        past_features = past_aux[..., features] if past_length and self.energy.feature_width else None
-        energy = at_least_float32(self.energy(x, past_features))
+        energy = at_least_float32(self.energy(x, past_features if self.energy.feature_width else None))
         weight = token_weight(new_valid)
 
         state = None
         if self.normalization == "causal":
-            past = None
-            if past_length:  # (count, mean, M2) at the last cached key, each (B, H, ·, 1)
-                last = unpack_state(past_aux[:, :, -1:, :width]).transpose(2, 3)
-                past = last.split([1, self.num_scales, self.num_scales], dim=2)
-            z, count, mean, m2 = causal_zscore(energy, weight, past, self.eps)
-            state = torch.cat([count, mean, m2], dim=2)
+            moments = None
+            if past_state is not None:  # (count, mean, M2) at the last cached key, each (B, H, ·, 1)
+                last = past_state[:, :, -1:, :].transpose(2, 3)
+                moments = last.split([1, self.num_scales, self.num_scales], dim=2)
+            z, count, mean, m2 = causal_zscore(energy, weight, moments, self.eps)
+            state = torch.cat([count, mean, m2], dim=2) if return_state else None
         elif self.normalization == "window":
             state = energy
-            if past_length:  # every key is normalised again over the grown window
-                energy = torch.cat([unpack_state(past_aux[..., :width]).transpose(2, 3), energy], -1)
+            if past_state is not None:  # every key is normalised again over the grown window
+                energy = torch.cat([past_state.transpose(2, 3).to(energy.dtype), energy], -1)
                 weight = token_weight(valid)
             z = window_zscore(energy, weight, self.eps)
         else:
@@ -596,15 +576,9 @@ class EnergyGate(nn.Module):
         bias, gate = log_gate_bias(z, self.tau, self.alpha, self.mix_logits)
         if gate.shape[-1] != length:
             gate = gate[..., -length:]
-        aux = None
-        if return_aux:
-            aux_dtype = aux_dtype or x.dtype
-            parts = [] if state is None else [pack_state(state.transpose(2, 3), aux_dtype)]
-            features = self.energy.features(x)
-            if features is not None:
-                parts.append(as_dtype(features, aux_dtype))
-            aux = torch.cat(parts, -1) if len(parts) > 1 else parts[0] if parts else None
-        return bias, gate, aux
+        if not return_state:
+            return bias, gate, None, None
+        return bias, gate, None if state is None else state.transpose(2, 3), self.energy.features(x)
 
 
 __all__ = [
@@ -626,10 +600,7 @@ __all__ = [
     "log_gate_bias",
     "morlet_kernels",
     "normalize_energy",
-    "pack_state",
     "padding_mask",
-    "state_channels",
     "token_weight",
-    "unpack_state",
     "window_zscore",
 ]

@@ -6,23 +6,21 @@ backend of ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` gets the bias in the fo
 * ``eager``: the bias is added to the scores (the returned probabilities are the gated, renormalised ones);
 * ``flex_attention``: a ``score_mod`` adds ``bias[b, h, kv_idx]`` (no extra channel), with transformers' compiled
   flex kernel and the ``BlockMask`` its mask interface builds;
-* ``sdpa`` (and any other backend): the bias is *folded* into one more channel of queries and keys,
-  q' = [q, 1/scale, …], k' = [k, bias, 0…], v' = [v, 0…], so that q'·k'·scale = q·k·scale + bias and the fused
-  causal kernel stays in use. On CUDA the folded head is padded to a multiple of 8 channels, the shape the flash
-  and memory-efficient kernels accept, so SDPA never falls back to its math kernel.
+* ``sdpa``: a decoding step (one query) gets the bias as SDPA's additive mask, at the model's head size; longer
+  calls (training, a prefill) get it *folded* into one more channel of queries and keys, q' = [q, 1/scale, …],
+  k' = [k, bias, 0…], v' = [v, 0…], so that q'·k'·scale = q·k·scale + bias and the fused causal kernel stays in use
+  (a float mask of T × T would lose it). On CUDA the folded head is padded to a multiple of 8 channels, the shape the
+  flash and memory-efficient kernels accept, so SDPA never falls back to its math kernel;
+* any other backend: the folded head.
 
-The KV cache stores keys and values folded: each key keeps its bias in channel ``head_dim`` and the gate's
-per-key state (``EnergyGate`` ``aux``) in the value channels after ``head_dim`` (their attention outputs are
-discarded). Beam search, cropping, left padding and ``StaticCache`` then need nothing special (a ``StaticCache``'s
-length stays on the device: ``cached_gate_state`` gathers at it); a cache that drops or alters keys (sliding window
-past its window, quantisation) is refused by ``cached_length``.
+The KV cache keeps keys and values at the model's head size, and each key's bias and gate state in a cache layer of
+the gate's own (``gate_cache.py``).
 
 Shapes: B batch, H query heads, Hk key/value heads (grouped-query attention when H > Hk), T positions, D head size.
 """
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 from transformers.integrations.flex_attention import compile_friendly_flex_attention, repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
@@ -56,72 +54,18 @@ def folded_head_size(head_dim: int, extra: int, device: torch.device) -> int:
 
 
 def fold_bias_into_kv(
-    key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, aux: torch.Tensor | None = None, width: int | None = None
+    key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """k' = [k, bias, 0…], v' = [v, aux, 0…], both ``width`` channels (default: the smallest that holds them).
+    """k' = [k, bias, 0…], v' = [v, 0…], both ``width`` channels (default: the smallest that holds them).
 
     Args:
         key, value: (B, Hk, T, D).
-        bias: (B, Hk, T) per-key logit bias; a longer one (window statistics re-bias every cached key) gives its
-            last T.
-        aux: optional (B, Hk, T, P) per-key state the KV cache must remember (raw energies, filter history).
+        bias: (B, Hk, T) per-key logit bias.
     """
     head_dim = key.shape[-1]
-    if aux is not None and aux.dtype != value.dtype:  # a cast would scramble float32 state packed in 16-bit channels
-        raise ValueError(
-            f"the gate state for the KV cache is {aux.dtype} but the values are {value.dtype}: ask the gate for "
-            "`aux_dtype=value.dtype`"
-        )
-    extra = 0 if aux is None else aux.shape[-1]
-    width = width or folded_head_size(head_dim, extra, key.device)
-    if bias.shape[-1] != key.shape[-2]:
-        bias = bias[..., -key.shape[-2] :]
+    width = width or folded_head_size(head_dim, 1, key.device)
     key = torch.cat([key, _zero_padded(as_dtype(bias, key.dtype).unsqueeze(-1), width - head_dim)], dim=-1)
-    if aux is None:
-        return key, _zero_padded(value, width)
-    return key, torch.cat([value, _zero_padded(aux, width - head_dim)], dim=-1)
-
-
-def no_static_cache_init_shape(model) -> None:
-    """``_get_static_cache_init_shape`` of energy-gated models: ``None``, so that generate() lets a ``StaticCache``
-    allocate each layer at its first write. (With ``prefill_chunk_size`` it would otherwise allocate every layer at
-    the model's head size, where a gated layer stores its keys and values folded, wider by the bias and gate state.)"""
-    return None
-
-
-def _cache_layer(cache, layer_idx: int):
-    """Layer ``layer_idx`` of a KV cache, or ``None`` (no cache, or a layer it has not created yet)."""
-    return cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
-
-
-def stored_dtype(cache, layer_idx: int, dtype: torch.dtype) -> torch.dtype:
-    """The dtype layer ``layer_idx`` of a KV cache holds its keys and values in: that of the values already written,
-    else ``dtype`` (what this call computes). The gate state is packed in that dtype's layout (`pack_state`: two
-    16-bit channels per float32 value), so new keys and values go into a cache filled in another dtype (under
-    ``torch.autocast``, continued outside it, or the reverse) cast to the cache's dtype, as the packed state is."""
-    layer = _cache_layer(cache, layer_idx)
-    return layer.values.dtype if getattr(layer, "is_initialized", False) else dtype
-
-
-def write_folded_kv(cache, layer_idx, key, value, bias, aux, head_dim: int, stored: torch.dtype, *args, **kwargs):
-    """Fold ``bias`` and the gate state ``aux`` into the new keys/values, write them into ``cache`` in its dtype
-    ``stored`` (`stored_dtype`) and return every cached key/value, folded, in the dtype of ``key`` (the call's).
-    With window statistics (a ``bias`` over every cached key) the cached keys' bias channel is replaced too.
-    ``args`` / ``kwargs`` go to ``cache.update``."""
-    new_keys, computed = key.shape[-2], key.dtype
-    key, value = fold_bias_into_kv(as_dtype(key, stored), as_dtype(value, stored), bias, aux)
-    key, value = cache.update(key, value, layer_idx, *args, **kwargs)
-    if bias.shape[-1] != new_keys:  # window statistics: every cached key's bias moved with the window
-        key = replace_folded_bias(key, bias, head_dim)
-    return as_dtype(key, computed), as_dtype(value, computed)
-
-
-def projection_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a linear projection of ``x`` returns: the autocast dtype inside autocast (for ``x``'s device), else
-    ``x.dtype``. (What a gate computed before the key/value projections asks its cached state to be.)"""
-    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+    return key, _zero_padded(value, width)
 
 
 def _zero_padded(tensor: torch.Tensor, channels: int) -> torch.Tensor:
@@ -135,94 +79,20 @@ def pad_query_for_bias(query: torch.Tensor, width: int, scaling: float) -> torch
     return nn.functional.pad(query, (0, width - query.shape[-1]), value=1.0 / scaling)
 
 
-def replace_folded_bias(key: torch.Tensor, bias: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Folded keys (B, Hk, T_cache, W) with the bias channel of the first ``bias.shape[-1]`` keys replaced by
-    ``bias`` (B, Hk, T); out of place. (A ``StaticCache`` holds more keys than it has filled.)"""
-    bias = as_dtype(bias, key.dtype)
-    if bias.shape[-1] < key.shape[-2]:
-        bias = torch.cat([bias, key[..., bias.shape[-1] :, head_dim]], dim=-1)
-    return torch.cat([key[..., :head_dim], bias[..., None], key[..., head_dim + 1 :]], dim=-1)
-
-
-def unfold_key_bias(
-    key: torch.Tensor, value: torch.Tensor, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of ``fold_bias_into_kv`` for folded keys/values from a cache: (key, value, bias at least
-    float32)."""
-    return key[..., :head_dim], value[..., :head_dim], at_least_float32(key[..., head_dim])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The KV cache's per-key gate state
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def cached_length(layer, new: int = 0) -> int:
-    """The number of keys a KV cache layer holds (before ``new`` more are written). Energy-gated layers keep per-key
-    gate state in the cache, so the layer must keep every key as written, at its position: a ``DynamicLayer`` or
-    ``StaticLayer`` (``DynamicCache``, ``StaticCache``, their offloaded forms), or a sliding-window layer as long as
-    its window drops no key (the statistics count every earlier token). Quantised and other layers alter or move
-    keys and raise."""
-    if type(layer) in (DynamicLayer, StaticLayer):
-        return int(layer.get_seq_length())
-    if type(layer) in (DynamicSlidingWindowLayer, StaticSlidingWindowLayer):
-        seen = int(layer.get_seq_length())
-        if type(layer) is DynamicSlidingWindowLayer:
-            dropped = seen - (layer.values.shape[-2] if layer.is_initialized else 0)
-        else:  # a static window holds max_cache_len keys; its update drops the oldest once they would not fit
-            dropped = max(0, seen + new - layer.max_cache_len)
-        if dropped == 0:
-            return seen
-        raise ValueError(
-            f"the KV cache's sliding window drops {dropped} key(s); energy-gated attention keeps its per-key gate "
-            "state (statistics over every earlier token) in the cache and cannot continue past the window: pass "
-            "`cache=transformers.DynamicCache()` (built without the config, its layers keep every key; "
-            "the attention mask still applies the window). A static cache drops keys past the window too"
-        )
-    raise ValueError(
-        f"energy-gated attention keeps per-key gate state in its KV cache and needs every key kept as written; "
-        f"a {type(layer).__name__} does not: use a DynamicCache or a StaticCache"
-    )
-
-
-def cached_gate_state(
-    cache, layer_idx: int, head_dim: int, token_mask: torch.Tensor | None, length: int, positions: int | None = None
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """What an ``EnergyGate`` call on ``length`` new positions reads: ``(past_aux, valid)``.
-
-    ``past_aux`` is the per-key gate state a layer's KV cache holds after the first ``head_dim`` value channels, for
-    its cached keys, (B, Hk, P, ·), or ``None`` before the first key (or without a cache); ``valid`` is the padding
-    mask of those keys and the new positions, (B, P + length), cut from ``token_mask`` (B, ≥ cached + new), or
-    ``None`` without one.
-
-    A ``StaticCache`` keeps its length on the device: only the last ``positions`` keys (the most a gate reads,
-    ``EnergyGate.cached_positions``) are gathered, at tensor positions, so a decoding step never waits for the
-    device (and compiles without a graph break). Positions before its first key read as zeros: a count of 0, silence
-    for the filters, not a token (``valid`` is then always given, so that the gate's statistics treat a count of 0 as
-    no past). ``positions=None`` (every key: window statistics) reads the length on the host.
-    """
-    layer = _cache_layer(cache, layer_idx)
-    if getattr(layer, "is_initialized", False) and layer.keys.shape[-1] <= head_dim:
-        raise ValueError(
-            f"layer {layer_idx}'s KV cache holds keys of {layer.keys.shape[-1]} channels without the energy gate's "
-            "folded bias and state (keys written outside the model, e.g. PEFT prefix tuning's virtual tokens): "
-            "energy-gated attention can only continue a cache it filled itself"
-        )
-    if type(layer) is StaticLayer and layer.is_initialized and positions is not None:
-        cached = layer.get_seq_length()
-        slots = cached - positions + torch.arange(positions, device=cached.device)
-        inside = torch.cat([slots >= 0, torch.ones(length, dtype=torch.bool, device=cached.device)])
-        past = layer.values[:, :, :, head_dim:].index_select(2, slots.clamp(min=0))
-        past = past.masked_fill(~inside[:positions, None], 0)  # a select, not arithmetic: packed float32 bits survive
-        if token_mask is None:
-            return past, inside.expand(past.shape[0], -1)
-        columns = torch.cat([slots.clamp(min=0), cached + torch.arange(length, device=cached.device)])
-        return past, token_mask[:, columns] & inside
-    cached = 0 if layer is None else cached_length(layer, length)  # (an empty StaticLayer's is the int 0)
-    if cached == 0:
-        return None, None if token_mask is None else token_mask[:, :length]
-    # Every cached key: slices of a cache's own length are views, and no slice at all where they cover everything.
-    return layer.values[:, :, :cached, head_dim:], None if token_mask is None else token_mask[:, : cached + length]
+def key_bias_as_mask(key_bias: torch.Tensor, attention_mask, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask (B, H, 1, Tk) of one query position: the key bias (B, Hk, Tk), repeated over the query
+    heads of each key/value head, with the keys ``attention_mask`` blocks (bool, True = attend, or additive, of
+    (B|1, 1, 1, ≥ Tk)) at the dtype's lowest value."""
+    mask = key_bias[:, :, None, :]
+    if heads != key_bias.shape[1]:
+        mask = mask.repeat_interleave(heads // key_bias.shape[1], dim=1)
+    if isinstance(attention_mask, torch.Tensor):
+        attention_mask = attention_mask[..., -1:, : key_bias.shape[-1]]
+        if attention_mask.dtype == torch.bool:
+            mask = mask.masked_fill(~attention_mask, torch.finfo(dtype).min)
+        else:
+            mask = mask + attention_mask
+    return as_dtype(mask, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -363,39 +233,6 @@ def _static_cpu_flex_attention():
     return _STATIC_CPU_FLEX[0]
 
 
-def folded_attention(
-    module: nn.Module,
-    implementation: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    head_dim: int,
-    attention_mask,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention over keys/values folded by ``fold_bias_into_kv`` (as a KV cache holds them): the bias channel is
-    read back for eager and flex_attention; other backends get queries padded to the folded width.
-
-    Returns (B, T, H, head_dim) and the backend's attention weights.
-    """
-    implementation = implementation_for_call(implementation, kwargs)
-    if implementation in ("eager", "flex_attention"):
-        key, value, bias = unfold_key_bias(key, value, head_dim)
-        attend = eager_attention_with_key_bias if implementation == "eager" else flex_attention_with_key_bias
-        return attend(module, query, key, value, bias, attention_mask, scaling, dropout, **kwargs)
-    query = pad_query_for_bias(query, key.shape[-1], scaling)
-    if value.shape[-1] > head_dim and value.dtype.itemsize < 4 and torch.is_grad_enabled():
-        # A cache's 16-bit values carry the gate state as float32 bits, some of which read as inf or NaN: their
-        # outputs are discarded, but the backward would multiply the zero gradients by them (0 · inf = NaN).
-        value = _zero_padded(value[..., :head_dim], value.shape[-1])
-    output, weights = ALL_ATTENTION_FUNCTIONS[implementation](
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-    )
-    return output[..., :head_dim], weights
-
-
 def attention_with_key_bias(
     module: nn.Module,
     implementation: str,
@@ -425,14 +262,17 @@ def attention_with_key_bias(
         return eager_attention_with_key_bias(module, query, key, value, key_bias, attention_mask, scaling, dropout)
     if implementation == "flex_attention":
         return flex_attention_with_key_bias(module, query, key, value, key_bias, attention_mask, scaling, dropout)
+    attend = ALL_ATTENTION_FUNCTIONS[implementation]
     if key_bias is None:
-        return ALL_ATTENTION_FUNCTIONS[implementation](
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if implementation == "sdpa" and query.shape[-2] == 1:  # a decoding step: the bias as the additive mask
+        mask = key_bias_as_mask(key_bias, attention_mask, query.shape[1], query.dtype)
+        return attend(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    head_dim = query.shape[-1]
     key, value = fold_bias_into_kv(key, value, key_bias)
-    return folded_attention(
-        module, implementation, query, key, value, query.shape[-1], attention_mask, scaling, dropout, **kwargs
-    )
+    query = pad_query_for_bias(query, key.shape[-1], scaling)
+    output, weights = attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return output[..., :head_dim], weights
 
 
 def implementation_for_call(implementation: str | None, kwargs: dict) -> str:
@@ -451,19 +291,11 @@ def implementation_for_call(implementation: str | None, kwargs: dict) -> str:
 __all__ = [
     "attention_with_key_bias",
     "implementation_for_call",
-    "cached_gate_state",
-    "cached_length",
+    "key_bias_as_mask",
     "eager_attention_with_key_bias",
     "flex_attention_forward",
     "flex_attention_with_key_bias",
     "fold_bias_into_kv",
-    "folded_attention",
     "folded_head_size",
-    "no_static_cache_init_shape",
     "pad_query_for_bias",
-    "projection_dtype",
-    "replace_folded_bias",
-    "stored_dtype",
-    "unfold_key_bias",
-    "write_folded_kv",
 ]

@@ -6,11 +6,12 @@ runs unchanged; around it the mixin
 
 1. computes the gate's logit bias for the new keys from the attention input (the normalised hidden states);
 2. without a KV cache, hands the bias to the attention call as a keyword argument; with one, hands the stock
-   forward a `GatedKVCache` that folds bias and gate state into the new keys/values before they reach the real
-   cache (so the cache keeps every key's bias, as in EGA-GPT);
+   forward a `GatedKVCache` that writes the bias and gate state of the new keys into the cache's gated layer
+   beside them (``ops/gate_cache.py``, as in EGA-GPT) and hands the attention call every cached key's bias;
 3. routes the attention call through ``energy_gated_<backend>``, which runs the shared gated attention
    (``ops/gated_attention.py``) on the backend the model uses: eager adds the bias to the scores, flex_attention
-   adds it in a ``score_mod``, SDPA (and any other backend) reads it from a folded query/key channel.
+   adds it in a ``score_mod``, SDPA takes it as the mask of a decoding step and from a folded query/key channel
+   otherwise.
 
 Step 3 needs the module to see a different attention-implementation name from the model: the module's ``config``
 becomes an `AttentionConfigView`. The model's own config, and with it mask creation, stays untouched, so a
@@ -27,14 +28,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from ..ops.energy_gate import padding_mask
-from ..ops.gated_attention import (
-    attention_with_key_bias,
-    cached_gate_state,
-    folded_attention,
-    projection_dtype,
-    stored_dtype,
-    write_folded_kv,
-)
+from ..ops.gate_cache import gated_cache_layer, update_gated_cache
+from ..ops.gated_attention import attention_with_key_bias
 
 logger = logging.get_logger(__name__)
 
@@ -45,7 +40,7 @@ TOKEN_MASK_KEYWORD = "energy_gate_token_mask"  # the decoder's padding mask, on 
 def _gated_attention_function(backend: str):
     def energy_gated_attention(
         module, query, key, value, attention_mask, scaling=None, dropout=0.0, energy_gate_bias=None,
-        energy_gate_folded=False, **kwargs,
+        energy_gate_cache=None, **kwargs,
     ):
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         if backend != "eager" and kwargs.pop("output_attentions", False):
@@ -55,10 +50,8 @@ def _gated_attention_function(backend: str):
                 f"`{backend}` attention does not return attention probabilities; load the model with "
                 "`attn_implementation='eager'` for them"
             )
-        if energy_gate_folded:  # keys/values from the KV cache, bias in channel head_dim
-            return folded_attention(
-                module, backend, query, key, value, query.shape[-1], attention_mask, scaling, dropout, **kwargs
-            )
+        if energy_gate_cache is not None:  # keys and values from the KV cache: the bias of every cached key
+            energy_gate_bias = energy_gate_cache.key_bias
         return attention_with_key_bias(
             module, backend, query, key, value, energy_gate_bias, attention_mask, scaling, dropout, **kwargs
         )
@@ -107,19 +100,18 @@ class AttentionConfigView:
 
 
 class GatedKVCache:
-    """Stands in for the KV cache during one gated attention call.
+    """Stands in for the KV cache during one gated attention call: ``update`` writes the new keys and values with
+    the gate's bias and state into the cache's gated layer (``update_gated_cache``, as `EGAAttention` does in
+    EGA-GPT) and keeps the bias of every cached key, which the attention call reads as ``key_bias``."""
 
-    ``update`` folds the gate's bias and per-key state into the new keys/values, stores them in the real cache and
-    returns the full folded keys/values, exactly as `EGAAttention` does in EGA-GPT.
-    """
-
-    def __init__(self, cache, bias, state, head_dim, dtype):
-        self.cache, self.bias, self.state, self.head_dim, self.dtype = cache, bias, state, head_dim, dtype
+    def __init__(self, cache, bias, state, features):
+        self.cache, self.bias, self.state, self.features, self.key_bias = cache, bias, state, features, None
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        return write_folded_kv(
-            self.cache, layer_idx, key, value, self.bias, self.state, self.head_dim, self.dtype, *args, **kwargs
+        key, value, self.key_bias = update_gated_cache(
+            self.cache, layer_idx, key, value, self.bias, self.state, self.features, *args, **kwargs
         )
+        return key, value
 
     def __getattr__(self, name):
         return getattr(self.cache, name)
@@ -149,13 +141,13 @@ class EnergyGatedAttentionMixin:
             args, kwargs = (), {**extra, **bound.arguments}
         hidden_states = args[0] if args else kwargs["hidden_states"]
         cache = kwargs.get("cache")
-        past_state, valid = cached_gate_state(
-            cache, self.layer_idx, self.head_dim, token_mask, hidden_states.shape[1],
-            self.energy_gate.cached_positions,
-        )
-        stored = stored_dtype(cache, self.layer_idx, projection_dtype(hidden_states))
-        bias, _, state = self.energy_gate(
-            hidden_states, valid, past_state, return_aux=cache is not None, aux_dtype=stored
+        past_state = past_features = None
+        if cache is not None:  # each key's bias and gate state live beside it, in the cache's gated layer
+            past_state, past_features, token_mask = gated_cache_layer(cache, self.layer_idx).gate_past(
+                self.energy_gate.cached_positions, hidden_states.shape[1], token_mask
+            )
+        bias, _, state, features = self.energy_gate(
+            hidden_states, token_mask, past_state, past_features, return_state=cache is not None
         )
         if self.energy_gate_heads is not None:  # ungated heads get a zero bias, i.e. their stock attention
             keep = torch.zeros(bias.shape[1], device=bias.device, dtype=bias.dtype)
@@ -164,8 +156,7 @@ class EnergyGatedAttentionMixin:
         if cache is None:
             kwargs["energy_gate_bias"] = bias
         else:
-            kwargs["cache"] = GatedKVCache(cache, bias, state, self.head_dim, stored)
-            kwargs["energy_gate_folded"] = True
+            kwargs["cache"] = kwargs["energy_gate_cache"] = GatedKVCache(cache, bias, state, features)
         return super().forward(*args, **kwargs)
 
 

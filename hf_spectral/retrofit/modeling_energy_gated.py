@@ -25,7 +25,6 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from ..ops.energy_gate import DaubechiesEnergy, EnergyGate, MorletEnergy, check_generation_mode
-from ..ops.gated_attention import no_static_cache_init_shape
 from ..ops.positions import keep_padding_mask_for_generate
 from ..ops.remote_code import save_pretrained_with_code
 from .config import EnergyGateConfig
@@ -234,7 +233,6 @@ class EnergyGatedModelMixin:
     # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none), and
     # each layer is allocated at its first write (its keys and values are folded, wider than the head size).
     create_masks_for_generate = staticmethod(keep_padding_mask_for_generate)
-    _get_static_cache_init_shape = no_static_cache_init_shape
 
     def _validate_generation_mode(self, generation_mode, generation_config, *args, **kwargs):
         normalization = self.config.energy_gates.get("normalization")

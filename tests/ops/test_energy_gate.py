@@ -18,11 +18,8 @@ from hf_spectral.ops.energy_gate import (
     log_gate_bias,
     morlet_kernels,
     normalize_energy,
-    pack_state,
     padding_mask,
-    state_channels,
     token_weight,
-    unpack_state,
 )
 
 
@@ -154,16 +151,6 @@ def test_gate_bias_is_exactly_zero_for_heads_whose_alpha_is_zero_and_still_has_g
     assert torch.all(alpha.grad[:2] != 0)  # the exact zero does not cut α off from training
 
 
-def test_float32_state_survives_a_16_bit_cache_bit_for_bit():
-    state = torch.randn(2, 3, 5, 7) * 1e3
-    for dtype, channels in ((torch.bfloat16, 14), (torch.float16, 14), (torch.float32, 7), (torch.float64, 7)):
-        packed = pack_state(state, dtype)
-        assert packed.dtype == dtype and packed.shape[-1] == channels == state_channels(7, dtype)
-        # caches copy, reorder and slice: the bits survive
-        moved = torch.cat([packed, packed])[torch.tensor([3, 0])][:, :, 1:4].clone()
-        assert torch.equal(unpack_state(moved), torch.cat([state, state])[torch.tensor([3, 0])][:, :, 1:4])
-
-
 def test_padding_mask_reads_2d_and_4d_masks():
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     assert torch.equal(padding_mask(mask), mask.bool())
@@ -260,16 +247,18 @@ def test_gate_is_causal_and_incremental_for_every_energy(kind, normalization):
     x = torch.randn(2, 12, 16)
     valid = torch.ones(2, 12, dtype=torch.bool)
     valid[0, :3] = False
-    bias, values, aux = gate(x, valid, return_aux=True)
-    state, pieces = None, []
+    bias, values, state, features = gate(x, valid, return_state=True)
+    assert (state is None) == (normalization == "none") and (features is None) == (kind == "linear")
+    assert state is None or state.dtype == torch.float32
+    cached, pieces = [None, None], []
     for t in range(12):
-        step_bias, _, step_aux = gate(x[:, t : t + 1], valid[:, : t + 1], past_aux=state, return_aux=True)
-        if step_aux is None:  # nothing to keep; a cache still counts the keys
-            step_aux = x.new_zeros(2, 2, 1, 0)
-        state = step_aux if state is None else torch.cat([state, step_aux], dim=2)
+        seen = valid[:, : t + 1] if cached != [None, None] else valid[:, t : t + 1]  # nothing kept: the new key
+        step_bias, _, *step = gate(x[:, t : t + 1], seen, *cached, return_state=True)
+        cached = [new if old is None else torch.cat([old, new], dim=2) for old, new in zip(cached, step)]
         pieces.append(step_bias[..., -1:])
-    if aux is not None:
-        torch.testing.assert_close(state, aux, atol=1e-5, rtol=1e-5)
+    for kept, full in zip(cached, (state, features)):
+        if full is not None:
+            torch.testing.assert_close(kept, full, atol=1e-5, rtol=1e-5)
     if normalization == "window":  # each step re-normalises every key over the grown window: the last sees all
         torch.testing.assert_close(step_bias * valid[:, None], bias * valid[:, None], atol=1e-5, rtol=1e-5)
         return
@@ -281,20 +270,20 @@ def test_gate_is_causal_and_incremental_for_every_energy(kind, normalization):
 
 
 def test_a_bfloat16_gate_keeps_float32_statistics_through_its_cache():
-    """1,024 bfloat16 tokens fed one at a time: the running moments live in the cache as float32 bits, so the gates
-    stay within 0.02 of a float32 gate on the same inputs."""
+    """1,024 bfloat16 tokens fed one at a time: the running moments are kept in float32, so the gates stay within
+    0.02 of a float32 gate on the same inputs."""
     torch.manual_seed(5)
     gate = EnergyGate(32, 4, kind="linear", projections=2, alpha_init=2.0)
     x = torch.randn(1, 1024, 32) + 1.0
     with torch.no_grad():
-        _, reference, _ = gate(x)
+        _, reference, _, _ = gate(x)
         low = gate.to(torch.bfloat16)
         x_low = x.to(torch.bfloat16)
         state, values = None, []
         for t in range(1024):
-            _, step_gate, step_aux = low(x_low[:, t : t + 1], past_aux=state, return_aux=True)
-            assert step_aux.dtype == torch.bfloat16
-            state = step_aux if state is None else torch.cat([state, step_aux], dim=2)
+            _, step_gate, step_state, _ = low(x_low[:, t : t + 1], past_state=state, return_state=True)
+            assert step_state.dtype == torch.float32
+            state = step_state if state is None else torch.cat([state, step_state], dim=2)
             values.append(step_gate)
     assert (torch.cat(values, -1) - reference).abs().max() < 0.02
 

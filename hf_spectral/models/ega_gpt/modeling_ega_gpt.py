@@ -34,16 +34,12 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ...ops.energy_gate import DaubechiesEnergy, EnergyGate, MorletEnergy, check_generation_mode, padding_mask
+from ...ops.gate_cache import gated_cache_layer, update_gated_cache
 from ...ops.gated_attention import (
     attention_with_key_bias,
-    cached_gate_state,
     eager_attention_with_key_bias,
     flex_attention_forward,
-    folded_attention,
     implementation_for_call,
-    no_static_cache_init_shape,
-    stored_dtype,
-    write_folded_kv,
 )
 from ...ops.pooling import SequencePooling, classifier_attention_mask
 from ...ops.positions import (
@@ -166,21 +162,20 @@ class EGAAttention(nn.Module):
             attn_output, attn_weights = attention_interface(
                 self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
             )
-        elif cache is None:
-            bias, _, _ = self.energy_gate(hidden_states, token_mask)
+        else:
+            past_state = past_features = None
+            if cache is not None:  # each key's bias and gate state live beside it, in the cache's gated layer
+                layer = gated_cache_layer(cache, self.layer_idx)
+                past_state, past_features, token_mask = layer.gate_past(
+                    self.energy_gate.cached_positions, length, token_mask
+                )
+            bias, _, state, features = self.energy_gate(
+                hidden_states, token_mask, past_state, past_features, return_state=cache is not None
+            )
+            if cache is not None:
+                key, value, bias = update_gated_cache(cache, self.layer_idx, key, value, bias, state, features)
             attn_output, attn_weights = attention_with_key_bias(
                 self, implementation, query, key, value, bias, attention_mask, self.scaling, dropout, **kwargs
-            )
-        else:
-            # The cache stores each key folded with its bias and the gate state later steps continue from.
-            past_aux, valid = cached_gate_state(
-                cache, self.layer_idx, self.head_dim, token_mask, length, self.energy_gate.cached_positions
-            )
-            stored = stored_dtype(cache, self.layer_idx, value.dtype)  # another dtype under autocast: cast to it
-            bias, _, aux = self.energy_gate(hidden_states, valid, past_aux, return_aux=True, aux_dtype=stored)
-            key, value = write_folded_kv(cache, self.layer_idx, key, value, bias, aux, self.head_dim, stored)
-            attn_output, attn_weights = folded_attention(
-                self, implementation, query, key, value, self.head_dim, attention_mask, self.scaling, dropout, **kwargs
             )
         attn_output = attn_output.reshape(batch, length, -1)
         return self.resid_dropout(self.c_proj(attn_output)), attn_weights
@@ -398,10 +393,8 @@ class EGAForCausalLM(EGAPreTrainedModel, GenerationMixin):
     values (``gate_values``, as `EGAModel`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.wte.weight"}
-    # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none), and
-    # each layer is allocated at its first write (its keys and values are folded, wider than the head size).
+    # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none).
     create_masks_for_generate = staticmethod(keep_padding_mask_for_generate)
-    _get_static_cache_init_shape = no_static_cache_init_shape
 
     def __init__(self, config: EGAConfig):
         super().__init__(config)

@@ -125,8 +125,8 @@ def test_a_compiled_model_generates_what_the_eager_one_generates():
 
 @pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
 def test_a_compiled_flex_attention_forward_equals_eager():
-    """Under flex_attention the kernel's score_mod reads the gate's bias (uncached) or the bias folded into the
-    cached keys; on CPU torch.compile(model) had failed to build that kernel (a tensor computed in its graph)."""
+    """Under flex_attention the kernel's score_mod reads the gate's bias (uncached) or the bias the cache keeps
+    beside its keys; on CPU torch.compile(model) had failed to build that kernel (a tensor computed in its graph)."""
     model = _model("EGA-1").eval()
     model.set_attn_implementation("flex_attention")
     compiled = torch.compile(model)

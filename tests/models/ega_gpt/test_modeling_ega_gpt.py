@@ -130,9 +130,9 @@ def test_cached_decoding_equals_the_uncached_forward(variant, normalization):
 
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
 @pytest.mark.parametrize("variant", list(KINDS))
-def test_cached_generation_reads_the_gate_state_past_a_padded_folded_head(variant, cache_implementation, monkeypatch):
-    """On CUDA the folded head is padded to a multiple of 8 channels, so the KV cache's values carry zeros after the
-    gate's state: the gate must read its statistics and filter history without them (CUDA's rule, run here)."""
+def test_cached_generation_with_the_folded_head_padded_as_on_cuda(variant, cache_implementation, monkeypatch):
+    """On CUDA a prefill's folded head is padded to a multiple of 8 channels (CUDA's rule, run here): the cache still
+    gets the keys at the head size, and cached generation equals the forward."""
     from hf_spectral.ops import gated_attention
 
     monkeypatch.setattr(gated_attention, "fused_kernel_alignment", lambda device: 8)
@@ -342,8 +342,8 @@ def test_static_cache_generation_under_flex_attention_keeps_the_padding():
 @pytest.mark.parametrize("normalization", ["causal", "window"])
 def test_drafts_and_chunked_prefill_give_the_greedy_tokens_and_are_refused_under_window_statistics(normalization):
     # Assisted, early-exit and prompt-lookup decoding verify several drafts in one cached call, a chunked prefill
-    # runs the prompt in several (with a StaticCache, generate() would allocate it ahead at the head size, where the
-    # gated layers store folded keys): causal gates give each position what plain decoding gives; window gates would
+    # runs the prompt in several (with a StaticCache, generate() allocates it ahead, at the head size the gated
+    # layers store their keys at): causal gates give each position what plain decoding gives; window gates would
     # see the later drafts, or miss the later chunks.
     model = tiny_model("EGA-1", energy_normalization=normalization)
     ids = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
@@ -365,7 +365,7 @@ def test_caches_that_drop_keys_are_refused():
     model = tiny_model("EGA-1")
     cache = DynamicCache(config=model.config)
     cache.layers = [DynamicSlidingWindowLayer(sliding_window=4) for _ in cache.layers]
-    with torch.no_grad(), pytest.raises(ValueError, match="sliding window drops 6 key"):
+    with torch.no_grad(), pytest.raises(ValueError, match="sliding window would drop 6 key"):
         out = model(ids, cache=cache, use_cache=True)
         model(ids[:, -1:], cache=out.cache, use_cache=True)
 
@@ -702,20 +702,22 @@ def test_evaluation_scores_only_pairs_of_tokens_under_left_padding():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_training_through_a_16_bit_kv_cache_gives_finite_gradients(dtype):
-    """With ``use_cache=True`` the values reaching SDPA carry the gate state as float32 bits in 16-bit channels,
-    some of which read as inf or NaN; the backward must not multiply their zero gradients by them."""
+    """With ``use_cache=True`` the cache holds keys and values at the head size, and the gate state in float32 beside
+    them, whatever the activation dtype; the backward through the cached keys stays finite."""
     model = tiny_model("EGA-1").to(dtype).train()
     ids = torch.randint(1, VOCAB, (4, 48), generator=torch.Generator().manual_seed(0))
     out = model(ids, labels=ids, use_cache=True)
-    assert out.cache.layers[0].values.shape[-1] > model.config.hidden_size // model.config.num_attention_heads
+    layer = out.cache.layers[0]
+    assert layer.values.shape[-1] == model.config.hidden_size // model.config.num_attention_heads
+    assert layer.values.dtype == dtype and layer.gate_state.dtype == layer.key_bias.dtype == torch.float32
     out.loss.backward()
     assert [n for n, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()] == []
 
 
 @pytest.mark.parametrize("variant", ["EGA-1", "EGA-C", "EGA-M"])
 def test_cached_decoding_under_bfloat16_autocast_keeps_float32_statistics(variant):
-    """Under autocast the gate sees float32 LayerNorm outputs while the cached values are bfloat16: the state is
-    packed for the values' dtype, and the decoded gates follow a float32 forward."""
+    """Under autocast the gate sees float32 LayerNorm outputs while the cached values are bfloat16: the state stays
+    float32 beside them, and the decoded gates follow a float32 forward."""
     model = tiny_model(variant)
     ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -730,15 +732,15 @@ def test_cached_decoding_under_bfloat16_autocast_keeps_float32_statistics(varian
 @pytest.mark.parametrize("prefill_under_autocast", [True, False])
 @pytest.mark.parametrize("normalization", ["causal", "window"])
 def test_a_cache_continues_across_an_autocast_boundary(prefill_under_autocast, normalization):
-    """A cache filled under bfloat16 autocast and continued outside it (or the reverse) keeps its dtype: the new keys,
-    values and packed gate state are cast to it (once a shape error from mixing two state layouts)."""
+    """A cache filled under bfloat16 autocast and continued outside it (or the reverse) keeps its dtype: the new keys
+    and values are cast to it; the gate state is float32 either way."""
     ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
     model = tiny_model("EGA-1", energy_normalization=normalization)
     assert_cache_continues_across_an_autocast_boundary(model, ids, prefill_under_autocast, split=12)
 
 
 def test_a_cache_filled_outside_the_model_is_refused_by_name():
-    """PEFT prefix tuning writes virtual keys without the gates' folded bias and state: a clear error, not a
+    """PEFT prefix tuning writes virtual keys without the gates' bias and state: a clear error, not a
     failure deep in the gate; ungated layers take them."""
     from peft import PrefixTuningConfig, get_peft_model
 
