@@ -79,13 +79,10 @@ def pad_query_for_bias(query: torch.Tensor, width: int, scaling: float) -> torch
     return nn.functional.pad(query, (0, width - query.shape[-1]), value=1.0 / scaling)
 
 
-def key_bias_as_mask(key_bias: torch.Tensor, attention_mask, heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask (B, H, 1, Tk) of one query position: the key bias (B, Hk, Tk), repeated over the query
-    heads of each key/value head, with the keys ``attention_mask`` blocks (bool, True = attend, or additive, of
-    (B|1, 1, 1, ≥ Tk)) at the dtype's lowest value."""
+def key_bias_as_mask(key_bias: torch.Tensor, attention_mask, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask (B, Hk, 1, Tk) of one query position: the key bias (B, Hk, Tk), with the keys
+    ``attention_mask`` blocks (bool, True = attend, or additive, of (B|1, 1, 1, ≥ Tk)) at the dtype's lowest value."""
     mask = key_bias[:, :, None, :]
-    if heads != key_bias.shape[1]:
-        mask = mask.repeat_interleave(heads // key_bias.shape[1], dim=1)
     if isinstance(attention_mask, torch.Tensor):
         attention_mask = attention_mask[..., -1:, : key_bias.shape[-1]]
         if attention_mask.dtype == torch.bool:
@@ -93,6 +90,22 @@ def key_bias_as_mask(key_bias: torch.Tensor, attention_mask, heads: int, dtype: 
         else:
             mask = mask + attention_mask
     return as_dtype(mask, dtype)
+
+
+def sdpa_decoding_step_with_key_bias(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_bias: torch.Tensor, attention_mask,
+    scaling: float, dropout: float = 0.0,
+) -> torch.Tensor:
+    """SDPA for one query position (B, H, 1, D) at the head size, the key bias as its additive mask; returns
+    (B, 1, H, D). The query heads that share a key/value head are that head's query rows, (B, Hk, H / Hk, D): one
+    position needs no causal mask between them, so grouped-query attention repeats neither the keys nor the mask."""
+    batch, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    output = nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, kv_heads, heads // kv_heads, head_dim), key, value,
+        attn_mask=key_bias_as_mask(key_bias, attention_mask, query.dtype), dropout_p=dropout, scale=scaling,
+    )
+    return output.reshape(batch, heads, 1, head_dim).transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -266,8 +279,7 @@ def attention_with_key_bias(
     if key_bias is None:
         return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if implementation == "sdpa" and query.shape[-2] == 1:  # a decoding step: the bias as the additive mask
-        mask = key_bias_as_mask(key_bias, attention_mask, query.shape[1], query.dtype)
-        return attend(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_decoding_step_with_key_bias(query, key, value, key_bias, attention_mask, scaling, dropout), None
     head_dim = query.shape[-1]
     key, value = fold_bias_into_kv(key, value, key_bias)
     query = pad_query_for_bias(query, key.shape[-1], scaling)
@@ -292,6 +304,7 @@ __all__ = [
     "attention_with_key_bias",
     "implementation_for_call",
     "key_bias_as_mask",
+    "sdpa_decoding_step_with_key_bias",
     "eager_attention_with_key_bias",
     "flex_attention_forward",
     "flex_attention_with_key_bias",
