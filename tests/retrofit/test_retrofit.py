@@ -124,8 +124,8 @@ def test_fresh_gates_leave_logits_and_generation_exactly_unchanged(family, backe
 @pytest.mark.parametrize("head_alignment", [1, 8], ids=["cpu-head", "cuda-head"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_gated_model_is_causal_and_its_cache_matches_the_forward(family, head_alignment, tmp_path, monkeypatch):
-    # CUDA pads the folded head to a multiple of 8 channels (run here on the CPU): the cache then holds zeros after
-    # the conv gate's filter history
+    # CUDA pads a prefill's folded head to a multiple of 8 channels (run here on the CPU): the cache still gets keys
+    # at the head size, and the conv gate's filter history beside them
     monkeypatch.setattr(gated_attention, "fused_kernel_alignment", lambda device: head_alignment)
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINTS[family](tmp_path / family)).eval()
     add_energy_gates(model, EnergyGateConfig(energy_kind="conv", scales=[3, 5]))
@@ -741,7 +741,7 @@ def test_gated_attention_backends_agree(family, tmp_path):
 
 
 def test_window_statistics_rebias_every_cached_key(tmp_path):
-    """With window statistics each decoding step normalises every key again: the cached keys' folded biases are
+    """With window statistics each decoding step normalises every key again: every cached key's bias is
     replaced, and the last step of a token-by-token decoding equals the forward over the whole sequence. (Only the
     last layer is gated: a gated earlier layer would feed later layers outputs that saw a partial window.)"""
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()

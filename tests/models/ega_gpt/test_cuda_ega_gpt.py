@@ -69,8 +69,8 @@ def test_bfloat16_statistics_stay_within_0_02_of_float32_on_cuda():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gated_sdpa_runs_in_a_fused_kernel(dtype):
-    """With only the flash and memory-efficient kernels allowed, SDPA raises if the folded shapes would need the
-    math fallback: a padded batch, an unpadded one, a cached decoding step, and a training step."""
+    """With only the flash and memory-efficient kernels allowed, SDPA raises if the folded shapes (a padded batch, an
+    unpadded one, a prefill, a training step) or a decoding step's bias mask would need the math fallback."""
     model = cuda_model("EGA-1", dtype=dtype)
     model.set_attn_implementation("sdpa")
     ids, mask = (t.cuda() for t in padded_batch())
@@ -78,7 +78,7 @@ def test_gated_sdpa_runs_in_a_fused_kernel(dtype):
         with torch.no_grad():
             model(ids, attention_mask=mask)
             out = model(ids[:, 5:], use_cache=True)
-            assert out.cache.layers[0].keys.shape[-1] % 8 == 0
+            assert out.cache.layers[0].keys.shape[-1] == model.config.hidden_size // model.config.num_attention_heads
             model(ids[:, -1:], cache=out.cache, use_cache=True)
             model.generate(ids[:, 5:], max_new_tokens=3, do_sample=False)
         model.train()
