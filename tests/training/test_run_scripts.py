@@ -81,3 +81,17 @@ def test_config_overrides_read_null_as_none():
     defaults = GPT2Config()
     assert parse_config_overrides("bos_token_id=null,n_layer=2,layer_norm_epsilon=1e-6", defaults) == {
         "bos_token_id": None, "n_layer": 2, "layer_norm_epsilon": 1e-6}
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_new_model_gets_the_attention_backend_asked_for(implementation, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_spectral import CharTokenizer
+    from training.common.run_scripts import ModelArguments, build_config, build_model
+
+    arguments = ModelArguments(model_type="ega_gpt", variant="EGA-1", attn_implementation=implementation,
+                               config_overrides="num_hidden_layers=1,hidden_size=16,num_attention_heads=2")
+    tokenizer = CharTokenizer.from_text("abc", str(tmp_path))
+    model = build_model(AutoModelForCausalLM, arguments, build_config(arguments), tokenizer)
+    assert model.config._attn_implementation == implementation

@@ -112,6 +112,10 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run the code a Hub checkpoint or dataset ships (read it first)."}
     )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "Attention backend (sdpa, eager, flex_attention, ...; default: transformers' choice)."},
+    )
     dtype: str = field(
         default="auto",
         metadata={"help": "Data type of the checkpoint's weights: auto (the type they were saved in), or float32 "
@@ -517,11 +521,13 @@ def build_model(auto_class, model_args, config, tokenizer):
         if not model_args.sets_vocab_size:
             config.vocab_size = len(tokenizer)
         with said_as_usage_error(f"cannot build a {config.model_type} model for {auto_class.__name__}"):
-            model = auto_class.from_config(config, trust_remote_code=model_args.trust_remote_code)
+            model = auto_class.from_config(config, trust_remote_code=model_args.trust_remote_code,
+                                           attn_implementation=model_args.attn_implementation)
     else:
         dtype = "auto" if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
         with said_as_usage_error(f"cannot load {model_args.model_name_or_path} as {auto_class.__name__}"):
             model = auto_class.from_pretrained(model_args.model_name_or_path, config=config, dtype=dtype,
+                                               attn_implementation=model_args.attn_implementation,
                                                **model_args.hub_kwargs())
     embedding_size = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > embedding_size:
