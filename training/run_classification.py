@@ -39,6 +39,7 @@ from .common.run_scripts import (
     TrainingLogCallback,
     UsageError,
     add_gates_and_lora,
+    base_model,
     build_config,
     build_model,
     build_tokenizer,
@@ -57,6 +58,7 @@ from .common.run_scripts import (
     prepare_for_training,
     program_name,
     run_main,
+    said_as_usage_error,
     save_gates_alone,
     setup_logging,
     trainable_parameters,
@@ -209,15 +211,20 @@ def run(argv, prog: str) -> int:
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if training_args.bf16 or training_args.fp16
                                        else None)
 
-    # What the additions log while training; a CHIAR-Former's calibration and routing on the first training batches
+    # The first training batches: a CHIAR-Former's calibration and routing logs, an rmt_optimal head's fit
+    first_batches = None
+    if train_dataset is not None:
+        inputs = train_dataset.select_columns([name for name in MODEL_INPUTS if name in train_dataset.column_names])
+        first_batches = fixed_batches(inputs, collator, spectral_args.calibration_batches,
+                                      training_args.per_device_train_batch_size)
     log_callback = None
     if gate_values(model) or is_chiar(model):
-        routing = None
-        if is_chiar(model) and train_dataset is not None:
-            inputs = train_dataset.select_columns([name for name in MODEL_INPUTS if name in train_dataset.column_names])
-            routing = fixed_batches(inputs, collator, spectral_args.calibration_batches,
-                                    training_args.per_device_train_batch_size)
-        log_callback = TrainingLogCallback(routing)
+        log_callback = TrainingLogCallback(first_batches if is_chiar(model) else None)
+    if getattr(base_model(model).config, "classifier_pooling", None) == "rmt_optimal" and training_args.do_train:
+        from hf_spectral.rmt import fit_rmt_pooling
+
+        with said_as_usage_error("cannot fit the rmt_optimal pooling head"):  # (a resumed run loads its weights)
+            fit_rmt_pooling(base_model(model), first_batches)
     prepare_for_training(model, training_args)
 
     trainer = SpectralTrainer(

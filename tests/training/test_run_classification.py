@@ -136,3 +136,12 @@ def test_bad_arguments_end_with_a_one_line_error(options, message, data, tmp_pat
     assert len(errors) == 1 and errors[0].startswith("python -m training.run_classification: error: "), errors
     assert message in errors[0]
     assert not output.exists()
+
+
+def test_an_rmt_optimal_pooling_head_is_fitted_on_the_first_training_batches(data, tmp_path):
+    output = tmp_path / "out"
+    pooling = CHIAR[:5] + [CHIAR[5] + ",classifier_pooling=rmt_optimal"]
+    assert main([*pooling, *files(data), "--do_train", "--do_eval", "--output_dir", str(output), "--max_steps", "2",
+                 "--calibration_batches", "2", *QUICK]) == 0
+    model = AutoModelForSequenceClassification.from_pretrained(output)
+    assert model.config.classifier_pooling == "rmt_optimal" and model.pooling.is_fitted
