@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.timing import records_of_fresh_runs  # noqa: E402
-from training.common.presets import percentage, positive_int  # noqa: E402  (the recipes' argument types)
+from training.common.cli import percentage, positive_int  # noqa: E402  (the recipes' argument types)
 from hf_spectral import ChiarConfig, ChiarForCausalLM  # noqa: E402
 from hf_spectral.models.chiar_former import calibrate_thresholds, count_flops  # noqa: E402
 from hf_spectral.ops.routing import routed_layout  # noqa: E402

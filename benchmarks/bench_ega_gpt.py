@@ -46,7 +46,7 @@ from benchmarks.timing import (  # noqa: E402
     spread_over_runs,
     time_alternating,
 )
-from training.common.presets import positive_int  # noqa: E402  (the recipes' argument types)
+from training.common.cli import positive_int  # noqa: E402  (the recipes' argument types)
 
 # Layers × width (heads of 32 channels, GPT-2 small's 12 of 64); a character vocabulary, so that the layers, not the
 # output projection, take the time. `--size` picks one; SIZE is the one this run measures.

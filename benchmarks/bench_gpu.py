@@ -46,7 +46,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.common.presets import non_negative_int, percentage, positive_int  # noqa: E402  (argparse types)
+from training.common.cli import non_negative_int, percentage, positive_int  # noqa: E402  (argparse types)
 
 GPU_TARGET = {
     "measurement": "train", "size": "12x768", "backend": "sdpa", "model": "ega1", "target": 0.95,

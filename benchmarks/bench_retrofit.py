@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.common.presets import positive_int  # noqa: E402  (the recipes' argument types)
+from training.common.cli import positive_int  # noqa: E402  (the recipes' argument types)
 from benchmarks.timing import (  # noqa: E402
     folded_head_kernels,
     records_of_fresh_runs,

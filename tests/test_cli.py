@@ -82,8 +82,10 @@ def test_train_runs_the_recipe_of_the_package(capsys):
     assert main(["train", "reproduce_ega", "--smoke", "--dry_run", "--benchmarks", "tinyshakespeare",
                  "--output_dir", "/nonexistent"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 3  # BASE, EGA-1 causal, EGA-1 window; seed 0
-    assert all("-m hf_spectral.recipes.tinyshakespeare --preset smoke" in line and "--seeds 0" in line for line in lines)
+    assert [line.split(":")[0] for line in lines] == [
+        f"pending tinyshakespeare-{run}-seed0" for run in ("BASE", "EGA-1-causal", "EGA-1-window")]
+    assert all(line.endswith(f"-m hf_spectral.recipes.run_clm /nonexistent/tinyshakespeare/{run}-seed0/args.json")
+               for line, run in zip(lines, ("BASE", "EGA-1-causal", "EGA-1-window")))
 
 
 @pytest.mark.parametrize("recipe", [name for name in RECIPES if (ROOT / "training" / f"{name}.py").is_file()])

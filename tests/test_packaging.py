@@ -1,5 +1,5 @@
 """The built wheel is a complete package: installed into a fresh environment and run from a folder outside the
-checkout, it answers `hf-spectral --version`, trains a recipe (`hf-spectral train tinyshakespeare --smoke`) and
+checkout, it answers `hf-spectral --version`, trains a benchmark (`hf-spectral train tinyshakespeare --smoke`) and
 retrofits a checkpoint (`hf-spectral retrofit SRC DST`).
 
 The fresh environment gets hf_spectral from the wheel only. Third-party packages (torch, transformers, ...) come
@@ -77,8 +77,8 @@ def test_wheel_holds_the_recipes_under_the_package_and_no_top_level_training(ins
                      "hf_spectral/recipes/tinyshakespeare.py", "hf_spectral/recipes/reproduce_ega.py",
                      "hf_spectral/model_cards/ega_gpt.md", "hf_spectral/model_cards/chiar_former.md",
                      "hf_spectral/model_cards/energy_gated.md",
-                     "hf_spectral/recipes/metrics/language_model_loss/language_model_loss.py",
-                     "hf_spectral/recipes/metrics/generalization_gap/generalization_gap.py"):
+                     "hf_spectral/recipes/metrics/accuracy/accuracy.py",
+                     "hf_spectral/recipes/configs/tinyshakespeare_demo.json"):
         assert required in names, required
     # Every file of the source tree (modules, model cards, metric scripts, data) is in the wheel.
     for folder, prefix in (("hf_spectral", "hf_spectral"), ("training", "hf_spectral/recipes"),
@@ -116,12 +116,15 @@ def test_installed_recipe_trains_and_writes_its_model_card(installed):
     out = outside / "runs"
     _run([str(command), "train", "tinyshakespeare", "--smoke", "--variants", "EGA-1", "--max_steps", "4",
           "--eval_steps", "2", "--save_steps", "4", "--data_path", str(data), "--output_dir", str(out),
-          "--no_plots", "--threads", "1"], cwd=outside, env=env, timeout=600)
+          "--threads", "1"], cwd=outside, env=env, timeout=600)
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [row["model"] for row in rows] == ["EGA-1 (causal)"]
     run = out / "EGA-1-causal-seed0"
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["val_loss"] > 0 and summary["generalization_gap"] is not None  # the local metric modules ran
+    arguments = json.loads((run / "args.json").read_text())  # the packaged configuration, with the run's options
+    assert arguments["config_overrides"].startswith("num_hidden_layers=2,") and arguments["max_steps"] == 4
+    assert arguments["train_file"] == str(outside / "data" / "tinyshakespeare" / "train.txt")
+    metrics = json.loads((run / "all_results.json").read_text())
+    assert metrics["eval_loss"] > 0 and metrics["eval_accuracy"] is not None  # the local metric module ran
     card = (run / "README.md").read_text()
     assert "EGA-1" in card and "## Measured results" in card  # the model's card, from the packaged family card
     assert (run / "model.safetensors").is_file()

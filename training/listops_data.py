@@ -31,7 +31,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from .common.presets import positive_int, recipe_prog
+from .common.cli import positive_int, program_name
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 END = "]"
@@ -295,7 +295,7 @@ def statistics_of(examples: list) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog=recipe_prog("listops_data"), description=__doc__,
+    parser = argparse.ArgumentParser(prog=program_name("listops_data"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="write train / validation / test TSV files")

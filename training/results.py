@@ -1,4 +1,4 @@
-"""Results writer shared by every recipe and benchmark: one table as JSON + Markdown, with provenance.
+"""Results writer shared by the reproductions and the speed benchmarks: one table as JSON + Markdown, with provenance.
 
 Every committed result says how it was obtained: the exact command, the configuration, the seeds and
 the hardware it ran on (README standard). ``write_results`` records all four next to the numbers.
@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import sys
 import time
 
@@ -49,21 +48,6 @@ def current_command() -> str:
     return " ".join(shlex.quote(arg) for arg in argv)
 
 
-
-def mean_std(values: list) -> tuple:
-    """Mean and sample standard deviation of the values that are not None: (None, None) without any, std None with
-    one value."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
-def pm(mean, std, digits=4) -> str:
-    """``mean ± std`` with ``digits`` decimals (the mean alone without a std; "" without a mean)."""
-    if mean is None:
-        return ""
-    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
 
 def _format(value, digits):
     if isinstance(value, float):

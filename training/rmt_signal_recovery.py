@@ -30,7 +30,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from .common.presets import positive_int, recipe_prog  # noqa: E402
+from .common.cli import positive_int, program_name as recipe_prog  # noqa: E402
 from .results import write_results  # noqa: E402
 
 

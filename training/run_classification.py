@@ -30,20 +30,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from datasets import ClassLabel
-from transformers import (
-    AutoModelForSequenceClassification,
-    DataCollatorWithPadding,
-    Trainer,
-    TrainingArguments,
-    set_seed,
-)
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, TrainingArguments, set_seed
 
 from .common.run_scripts import (
-    ChiarRoutingCallback,
     ModelArguments,
     SpectralArguments,
+    SpectralTrainer,
+    TrainingLogCallback,
     UsageError,
     add_gates_and_lora,
+    base_model,
     build_config,
     build_model,
     build_tokenizer,
@@ -54,15 +50,20 @@ from .common.run_scripts import (
     column_names,
     first_examples,
     fixed_batches,
+    gate_values,
     is_chiar,
+    load_metric,
     load_raw_datasets,
     parse_arguments,
+    prepare_for_training,
     program_name,
     run_main,
+    said_as_usage_error,
+    save_gates_alone,
     setup_logging,
+    trainable_parameters,
     write_model_card,
 )
-from .common.trainer import load_metric
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class DataTrainingArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration."})
     train_file: str | None = field(default=None, metadata={"help": "Training examples: a .csv, .json or .jsonl file."})
     validation_file: str | None = field(default=None, metadata={"help": "Evaluation examples, in the same format."})
+    test_file: str | None = field(default=None, metadata={"help": "Test examples, in the same format (--do_predict)."})
     text_column_name: str | None = field(
         default=None, metadata={"help": "Column of the text (default: `text`, else `sentence`)."}
     )
@@ -105,24 +107,29 @@ class DataTrainingArguments:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
 
 
+# The argument dataclasses, in the order the options are parsed (drivers check a run's arguments against them)
+ARGUMENTS = (ModelArguments, DataTrainingArguments, SpectralArguments, TrainingArguments)
+
+
 def main(argv=None) -> int:
     prog = program_name("run_classification", "classification")
     return run_main(lambda arguments: run(arguments, prog), argv, prog)
 
 
 def run(argv, prog: str) -> int:
-    model_args, data_args, spectral_args, training_args = parse_arguments(
-        (ModelArguments, DataTrainingArguments, SpectralArguments, TrainingArguments), argv, prog, __doc__)
+    model_args, data_args, spectral_args, training_args = parse_arguments(ARGUMENTS, argv, prog, __doc__)
     setup_logging(training_args)
     check_arguments(model_args, spectral_args, training_args)
     set_seed(training_args.seed)
 
     # Data: a Hub dataset or local files, with a validation split for --do_eval
     raw_datasets = load_raw_datasets(data_args, model_args, need_validation=training_args.do_eval)
-    splits = [split for split, wanted in (("train", training_args.do_train), ("validation", training_args.do_eval))
-              if wanted]
-    if "train" in splits and "train" not in raw_datasets:
-        raise UsageError("--do_train needs a training split (--train_file, or a dataset that has one)")
+    wanted = {"train": training_args.do_train or spectral_args.train_eval_samples > 0,
+              "validation": training_args.do_eval, "test": training_args.do_predict}
+    splits = [split for split, needed in wanted.items() if needed]
+    for split, option in (("train", "--do_train or --train_eval_samples"), ("test", "--do_predict")):
+        if split in splits and split not in raw_datasets:
+            raise UsageError(f"{option} needs a {split} split (--{split}_file, or a dataset that has one)")
     columns = column_names(raw_datasets[splits[0]])
     text_column = data_args.text_column_name or next((name for name in ("text", "sentence") if name in columns), None)
     if text_column is None:
@@ -177,75 +184,99 @@ def run(argv, prog: str) -> int:
                 preprocess, batched=True, num_proc=data_args.preprocessing_num_workers,
                 load_from_cache_file=not data_args.overwrite_cache,
                 remove_columns=[name for name in dataset.column_names if name != data_args.depth_column_name])
-    train_dataset = eval_dataset = None
-    if "train" in processed:
-        train_dataset = first_examples(processed["train"], data_args.max_train_samples)
-    if "validation" in processed:
-        eval_dataset = first_examples(processed["validation"], data_args.max_eval_samples)
+    train_dataset = first_examples(processed.get("train"), data_args.max_train_samples)
+    eval_dataset = first_examples(processed.get("validation"), data_args.max_eval_samples)
+    test_dataset = first_examples(processed.get("test"), data_args.max_eval_samples)
 
-    # Accuracy, and the accuracy at each nesting depth when the data has depths
+    # Accuracy; at the end, also the accuracy at each nesting depth when the data has depths
     accuracy = load_metric("accuracy")
-    depths = None
-    if eval_dataset is not None and data_args.depth_column_name in eval_dataset.column_names:
-        depths = np.asarray(eval_dataset[data_args.depth_column_name])
 
     def compute_metrics(eval_prediction):
         logits = eval_prediction.predictions
         predictions = np.asarray(logits[0] if isinstance(logits, tuple) else logits).argmax(-1)
-        references = np.asarray(eval_prediction.label_ids)
-        result = accuracy.compute(predictions=predictions, references=references)
-        if depths is not None:  # evaluation keeps the dataset's order
+        return accuracy.compute(predictions=predictions, references=np.asarray(eval_prediction.label_ids))
+
+    def final_metrics(dataset, prefix: str) -> dict:
+        output = trainer.predict(dataset, metric_key_prefix=prefix)  # in the dataset's order
+        metrics = {**output.metrics, f"{prefix}_samples": len(dataset)}
+        if data_args.depth_column_name in dataset.column_names:
+            logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+            predictions, references = np.asarray(logits).argmax(-1), np.asarray(output.label_ids)
+            depths = np.asarray(dataset[data_args.depth_column_name])
             for depth in sorted(set(depths.tolist())):
-                chosen = depths == depth
-                result[f"accuracy_depth_{depth}"] = accuracy.compute(
-                    predictions=predictions[chosen], references=references[chosen])["accuracy"]
-        return result
+                metrics[f"{prefix}_accuracy_depth_{depth}"] = accuracy.compute(
+                    predictions=predictions[depths == depth], references=references[depths == depth])["accuracy"]
+        return metrics
 
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if training_args.bf16 or training_args.fp16
                                        else None)
 
-    # CHIAR-Former: calibration and routing measured on the first training batches
-    routing_callback = None
-    if is_chiar(model) and train_dataset is not None:
+    # The first training batches: a CHIAR-Former's calibration and routing logs, an rmt_optimal head's fit
+    first_batches = None
+    if train_dataset is not None:
         inputs = train_dataset.select_columns([name for name in MODEL_INPUTS if name in train_dataset.column_names])
-        routing_callback = ChiarRoutingCallback(fixed_batches(
-            inputs, collator, spectral_args.calibration_batches, training_args.per_device_train_batch_size))
+        first_batches = fixed_batches(inputs, collator, spectral_args.calibration_batches,
+                                      training_args.per_device_train_batch_size)
+    log_callback = None
+    if gate_values(model) or is_chiar(model):
+        log_callback = TrainingLogCallback(first_batches if is_chiar(model) else None)
+    if getattr(base_model(model).config, "classifier_pooling", None) == "rmt_optimal" and training_args.do_train:
+        from hf_spectral.rmt import fit_rmt_pooling
 
-    trainer = Trainer(
+        with said_as_usage_error("cannot fit the rmt_optimal pooling head"):  # (a resumed run loads its weights)
+            fit_rmt_pooling(base_model(model), first_batches)
+    prepare_for_training(model, training_args)
+
+    trainer = SpectralTrainer(
         model=model,
         args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
+        spectral_args=spectral_args,
+        train_dataset=train_dataset if training_args.do_train else None,
+        eval_dataset=first_examples(eval_dataset, spectral_args.eval_samples_during_training),
         processing_class=tokenizer,
         data_collator=collator,
         compute_metrics=compute_metrics,
-        callbacks=[routing_callback] if routing_callback else None,
+        callbacks=[log_callback] if log_callback else None,
     )
-    if routing_callback:
-        routing_callback.set_trainer(trainer)
+    if log_callback:
+        log_callback.set_trainer(trainer)
 
     # Training
     all_metrics = {}
     if training_args.do_train:
-        if routing_callback:
-            calibrate_routing(trainer.model, routing_callback.batches, spectral_args)
+        if log_callback and log_callback.routing_batches:
+            calibrate_routing(trainer.model, log_callback.routing_batches, spectral_args)
         train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()  # the model (or the adapter) and the tokenizer
-        metrics = {**train_result.metrics, "train_samples": len(train_dataset)}
+        if spectral_args.train_only_gates:
+            save_gates_alone(trainer)
+        metrics = {**train_result.metrics, "train_samples": len(train_dataset),
+                   "trainable_parameters": trainable_parameters(model)}
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         trainer.save_state()
         all_metrics.update(metrics)
 
-    # Evaluation
+    # Evaluation: the whole validation split (the curve may have read a part of it), the training examples in
+    # evaluation mode, the test split
     if training_args.do_eval:
-        metrics = {**trainer.evaluate(), "eval_samples": len(eval_dataset)}
+        metrics = final_metrics(eval_dataset, "eval")
+        if spectral_args.train_eval_samples:
+            scored = first_examples(train_dataset, spectral_args.train_eval_samples)
+            train_metrics = trainer.evaluate(eval_dataset=scored, metric_key_prefix="eval_train")
+            metrics["eval_train_loss"] = train_metrics["eval_train_loss"]
+            metrics["eval_generalization_gap"] = metrics["eval_loss"] - metrics["eval_train_loss"]
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
         all_metrics.update(metrics)
+    if training_args.do_predict:
+        metrics = final_metrics(test_dataset, "test")
+        trainer.log_metrics("test", metrics)
+        trainer.save_metrics("test", metrics)
+        all_metrics.update(metrics)
 
     write_model_card(trainer, model_args, data_args, all_metrics, script="run_classification",
-                     task="text-classification", tokenizer=tokenizer, routing_callback=routing_callback)
+                     task="text-classification", tokenizer=tokenizer, log_callback=log_callback)
     return 0
 
 

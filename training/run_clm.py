@@ -29,12 +29,13 @@ import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator, set_seed
+from transformers import AutoModelForCausalLM, TrainingArguments, default_data_collator, set_seed
 
 from .common.run_scripts import (
-    ChiarRoutingCallback,
     ModelArguments,
     SpectralArguments,
+    SpectralTrainer,
+    TrainingLogCallback,
     UsageError,
     add_gates_and_lora,
     build_config,
@@ -47,17 +48,21 @@ from .common.run_scripts import (
     column_names,
     first_examples,
     fixed_batches,
+    gate_values,
     is_chiar,
     leak_free_metrics,
+    load_metric,
     load_raw_datasets,
     parse_arguments,
+    prepare_for_training,
     program_name,
     run_main,
+    save_gates_alone,
     sees_future_tokens,
     setup_logging,
+    trainable_parameters,
     write_model_card,
 )
-from .common.trainer import load_metric
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,7 @@ class DataTrainingArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration, e.g. wikitext-2-v1."})
     train_file: str | None = field(default=None, metadata={"help": "Training text: a .txt, .json, .jsonl or .csv."})
     validation_file: str | None = field(default=None, metadata={"help": "Evaluation text, in the same format."})
+    test_file: str | None = field(default=None, metadata={"help": "Test text, in the same format (--do_predict)."})
     text_column_name: str | None = field(
         default=None, metadata={"help": "Column of the text (default: `text` if there is one, else the first column)."}
     )
@@ -99,14 +105,17 @@ class DataTrainingArguments:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
 
 
+# The argument dataclasses, in the order the options are parsed (drivers check a run's arguments against them)
+ARGUMENTS = (ModelArguments, DataTrainingArguments, SpectralArguments, TrainingArguments)
+
+
 def main(argv=None) -> int:
     prog = program_name("run_clm", "clm")
     return run_main(lambda arguments: run(arguments, prog), argv, prog)
 
 
 def run(argv, prog: str) -> int:
-    model_args, data_args, spectral_args, training_args = parse_arguments(
-        (ModelArguments, DataTrainingArguments, SpectralArguments, TrainingArguments), argv, prog, __doc__)
+    model_args, data_args, spectral_args, training_args = parse_arguments(ARGUMENTS, argv, prog, __doc__)
     setup_logging(training_args)
     check_arguments(model_args, spectral_args, training_args)
     if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
@@ -116,10 +125,12 @@ def run(argv, prog: str) -> int:
     # Data: a Hub dataset or local files, with a validation split for --do_eval
     raw_datasets = load_raw_datasets(data_args, model_args, need_validation=training_args.do_eval,
                                      streaming=data_args.streaming)
-    splits = [split for split, wanted in (("train", training_args.do_train), ("validation", training_args.do_eval))
-              if wanted]
-    if "train" in splits and "train" not in raw_datasets:
-        raise UsageError("--do_train needs a training split (--train_file, or a dataset that has one)")
+    wanted = {"train": training_args.do_train or spectral_args.train_eval_samples > 0,
+              "validation": training_args.do_eval, "test": training_args.do_predict}
+    splits = [split for split, needed in wanted.items() if needed]
+    for split, option in (("train", "--do_train or --train_eval_samples"), ("test", "--do_predict")):
+        if split in splits and split not in raw_datasets:
+            raise UsageError(f"{option} needs a {split} split (--{split}_file, or a dataset that has one)")
     columns = column_names(raw_datasets[splits[0]])
     text_column = data_args.text_column_name or ("text" if "text" in columns else columns[0])
     for split in splits:
@@ -167,12 +178,10 @@ def run(argv, prog: str) -> int:
             tokenized = raw_datasets[split].map(tokenize, batched=True,
                                                 remove_columns=column_names(raw_datasets[split]), **options)
             lm_datasets[split] = tokenized.map(group_texts, batched=True, **options)
-    train_dataset = eval_dataset = None
-    if "train" in lm_datasets:
-        train_dataset = first_examples(lm_datasets["train"], data_args.max_train_samples)
-    if "validation" in lm_datasets:
-        eval_dataset = first_examples(lm_datasets["validation"], data_args.max_eval_samples)
-    for split, dataset in (("training", train_dataset), ("validation", eval_dataset)):
+    train_dataset = first_examples(lm_datasets.get("train"), data_args.max_train_samples)
+    eval_dataset = first_examples(lm_datasets.get("validation"), data_args.max_eval_samples)
+    test_dataset = first_examples(lm_datasets.get("test"), data_args.max_eval_samples)
+    for split, dataset in (("training", train_dataset), ("validation", eval_dataset), ("test", test_dataset)):
         if dataset is not None and not data_args.streaming and len(dataset) == 0:
             raise UsageError(f"the {split} text is shorter than one block of {block_size} tokens (--block_size)")
 
@@ -186,35 +195,42 @@ def run(argv, prog: str) -> int:
         predictions, labels = eval_prediction
         return accuracy.compute(predictions=predictions[:, :-1].reshape(-1), references=labels[:, 1:].reshape(-1))
 
-    # CHIAR-Former: calibration and routing measured on the first training batches
-    routing_callback = None
-    if is_chiar(model) and train_dataset is not None:
-        routing_callback = ChiarRoutingCallback(fixed_batches(
-            train_dataset, default_data_collator, spectral_args.calibration_batches,
-            training_args.per_device_train_batch_size))
+    # What the additions log while training; a CHIAR-Former's calibration and routing on the first training batches
+    log_callback = None
+    if gate_values(model) or is_chiar(model):
+        routing = None
+        if is_chiar(model) and train_dataset is not None:
+            routing = fixed_batches(train_dataset, default_data_collator, spectral_args.calibration_batches,
+                                    training_args.per_device_train_batch_size)
+        log_callback = TrainingLogCallback(routing)
+    prepare_for_training(model, training_args)
 
-    trainer = Trainer(
+    evaluating = eval_dataset is not None or test_dataset is not None
+    trainer = SpectralTrainer(
         model=model,
         args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
+        spectral_args=spectral_args,
+        train_dataset=train_dataset if training_args.do_train else None,
+        eval_dataset=first_examples(eval_dataset, spectral_args.eval_samples_during_training),
         processing_class=tokenizer,
         data_collator=default_data_collator,
-        compute_metrics=compute_metrics if eval_dataset is not None else None,
-        preprocess_logits_for_metrics=preprocess_logits_for_metrics if eval_dataset is not None else None,
-        callbacks=[routing_callback] if routing_callback else None,
+        compute_metrics=compute_metrics if evaluating else None,
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics if evaluating else None,
+        callbacks=[log_callback] if log_callback else None,
     )
-    if routing_callback:
-        routing_callback.set_trainer(trainer)
+    if log_callback:
+        log_callback.set_trainer(trainer)
 
     # Training
     all_metrics = {}
     if training_args.do_train:
-        if routing_callback:
-            calibrate_routing(trainer.model, routing_callback.batches, spectral_args)
+        if log_callback and log_callback.routing_batches:
+            calibrate_routing(trainer.model, log_callback.routing_batches, spectral_args)
         train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()  # the model (or the adapter) and the tokenizer
-        metrics = train_result.metrics
+        if spectral_args.train_only_gates:
+            save_gates_alone(trainer)
+        metrics = {**train_result.metrics, "trainable_parameters": trainable_parameters(model)}
         if not data_args.streaming:
             metrics["train_samples"] = len(train_dataset)
         trainer.log_metrics("train", metrics)
@@ -222,27 +238,47 @@ def run(argv, prog: str) -> int:
         trainer.save_state()
         all_metrics.update(metrics)
 
-    # Evaluation
+    # Evaluation: the whole validation split (the curve may have read a part of it), the training examples in
+    # evaluation mode, the test split
     if training_args.do_eval:
-        metrics = trainer.evaluate()
+        metrics = trainer.evaluate(eval_dataset=eval_dataset)
         if not data_args.streaming:
             metrics["eval_samples"] = len(eval_dataset)
-        try:
-            metrics["perplexity"] = math.exp(metrics["eval_loss"])
-        except OverflowError:
-            metrics["perplexity"] = float("inf")
-        if sees_future_tokens(model.config) and spectral_args.leak_free_eval_batches:
-            # Window statistics see later tokens: the ordinary loss is not a language model's
-            batches = fixed_batches(eval_dataset, default_data_collator, spectral_args.leak_free_eval_batches,
+        metrics["perplexity"] = perplexity(metrics["eval_loss"])
+        batches = spectral_args.leak_free_eval_batches
+        if batches is None:
+            batches = 4 if sees_future_tokens(model.config) else 0
+        if batches:
+            batches = fixed_batches(eval_dataset, default_data_collator, batches,
                                     training_args.per_device_eval_batch_size)
             metrics.update({f"eval_{key}": value for key, value in leak_free_metrics(trainer.model, batches).items()})
+        if spectral_args.train_eval_samples:
+            scored = first_examples(train_dataset, spectral_args.train_eval_samples)
+            train_metrics = trainer.evaluate(eval_dataset=scored, metric_key_prefix="eval_train")
+            metrics["eval_train_loss"] = train_metrics["eval_train_loss"]
+            metrics["eval_generalization_gap"] = metrics["eval_loss"] - metrics["eval_train_loss"]
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
         all_metrics.update(metrics)
+    if training_args.do_predict:
+        metrics = trainer.evaluate(eval_dataset=test_dataset, metric_key_prefix="test")
+        if not data_args.streaming:
+            metrics["test_samples"] = len(test_dataset)
+        metrics["test_perplexity"] = perplexity(metrics["test_loss"])
+        trainer.log_metrics("test", metrics)
+        trainer.save_metrics("test", metrics)
+        all_metrics.update(metrics)
 
     write_model_card(trainer, model_args, data_args, all_metrics, script="run_clm", task="text-generation",
-                     tokenizer=tokenizer, routing_callback=routing_callback)
+                     tokenizer=tokenizer, log_callback=log_callback)
     return 0
+
+
+def perplexity(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")
 
 
 if __name__ == "__main__":

@@ -63,3 +63,38 @@ def shared_file(*parts):
     if not os.path.isfile(path):
         pytest.skip(f"{path} not available")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_wikitext(tmp_path_factory):
+    """A folder with WikiText-like {train,valid,test}.txt: headings, paragraphs, <unk>, one paragraph per line."""
+    folder = tmp_path_factory.mktemp("wikitext-2")
+    rng = random.Random(2)
+    for name, lines in (("train.txt", 400), ("valid.txt", 60), ("test.txt", 60)):
+        text = []
+        for index in range(lines):
+            if index % 20 == 0:
+                text.append(f" = {rng.choice(WORDS).capitalize()} {rng.choice(WORDS)} = \n \n")
+            text.append(" " + " ".join(rng.choice(WORDS + ["<unk>", "@-@", ","]) for _ in range(rng.randint(8, 30)))
+                        + " . \n")
+        (folder / name).write_text("".join(text), encoding="utf-8")
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_imdb(tmp_path_factory):
+    """A folder with IMDB-like train.jsonl.gz / test.jsonl.gz: reviews whose sentiment a word gives away."""
+    import gzip
+    import json
+
+    folder = tmp_path_factory.mktemp("imdb")
+    rng = random.Random(3)
+    good, bad = ["great", "wonderful", "loved"], ["awful", "boring", "hated"]
+    for split, count in (("train", 200), ("test", 90)):
+        with gzip.open(folder / f"{split}.jsonl.gz", "wt", encoding="utf-8") as handle:
+            for index in range(count):
+                label = index % 2
+                words = [rng.choice(WORDS) for _ in range(rng.randint(5, 40))] + [rng.choice(good if label else bad)]
+                row = {"id": index, "label": label, "text": " ".join(words) + " <br /><br />"}
+                handle.write(json.dumps(row) + "\n")
+    return str(folder)

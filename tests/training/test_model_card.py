@@ -68,61 +68,68 @@ def test_an_unknown_family_is_refused_naming_the_cards():
 # The card each recipe writes for a trained model
 # ----------------------------------------------------------------------------------------------------------------
 
-HARDWARE = {"cpu_model": "a test CPU", "torch_threads": 1, "torch": "2"}
+def write_card(directory, model, model_args, task="text-generation", data_class=None):
+    """The card run_clm (run_classification) writes for ``model`` trained in ``directory``, with a few results."""
+    from transformers import TrainingArguments
+
+    from hf_spectral import CharTokenizer
+    from training.common.run_scripts import SpectralArguments, SpectralTrainer, write_model_card
+    from training.run_clm import DataTrainingArguments
+
+    (directory / "train.txt").write_text("to be or not to be\n")
+    data_args = (data_class or DataTrainingArguments)(train_file=str(directory / "train.txt"))
+    repo_id = f"someone/{model.config.model_type}"
+    trainer = SpectralTrainer(model=model, args=TrainingArguments(output_dir=str(directory), hub_model_id=repo_id,
+                                                                  report_to=[]), spectral_args=SpectralArguments())
+    tokenizer = CharTokenizer.from_text("abcdefgh ", str(directory / "tokenizer"))
+    metrics = {"eval_loss": 2.25, "perplexity": 9.49, "test_loss": 2.3, "train_runtime": 60.0}
+    write_model_card(trainer, model_args, data_args, metrics, script="run_clm", task=task, tokenizer=tokenizer)
+    return repo_id
 
 
 def ega_card(directory):
     from hf_spectral import EGAConfig, EGAForCausalLM
-    from training import tinyshakespeare
-    from training.common.lm_experiment import RunSpec, write_card
+    from training.common.run_scripts import ModelArguments
 
     model = EGAForCausalLM(EGAConfig.from_variant("EGA-1", energy_normalization="window", vocab_size=40,
                                                   hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
-    summary = {"val_loss": 2.25, "val_perplexity": 9.49, "val_bits_per_char": 3.246, "train_loss": 2.2,
-               "generalization_gap": 0.05, "sees_future": True, "val_loss_leak_free": 2.31,
-               "val_loss_same_blocks": 2.24, "leak_free_tokens": 4096, "hardware": HARDWARE,
-               "command": "python -m training.tinyshakespeare --smoke"}
-    write_card(str(directory), RunSpec("EGA-1", "window", 0), tinyshakespeare.PRESETS["smoke"],
-               tinyshakespeare.BENCHMARK, summary, model, repo_id="someone/ega")
-    return summary
+    return write_card(directory, model, ModelArguments(model_type="ega_gpt", variant="EGA-1"))
 
 
 def chiar_card(directory):
     from hf_spectral.models.chiar_former import ChiarConfig, ChiarForSequenceClassification
-    from training import imdb
-    from training.common.chiar_experiment import TaskData, parse_arm, write_card
+    from training.common.run_scripts import ModelArguments
+    from training.run_classification import DataTrainingArguments
 
     model = ChiarForSequenceClassification(ChiarConfig(
         vocab_size=40, hidden_size=32, num_attention_heads=2, num_hidden_layers=3, num_labels=2,
         routed_operators=["dct", "attention"], router_type="threshold"))
-    data = TaskData(datasets={}, tokenizer=None, collator=None, info={"tokenizer": "BPE, 512 ids"})
-    summary = {"validation_accuracy": 0.61, "test_accuracy": 0.6, "test_examples": 1000, "seconds_per_step": 0.2,
-               "hardware": HARDWARE, "command": "python -m training.imdb --smoke"}
-    write_card(str(directory), parse_arm("threshold"), imdb.PRESETS["smoke"], imdb.TASK, summary, model, data,
-               repo_id="someone/chiar")
-    return summary
+    (directory / "train.csv").write_text("text,label\na,0\n")
+    return write_card(directory, model, ModelArguments(model_type="chiar_former"), task="text-classification",
+                      data_class=lambda train_file: DataTrainingArguments(train_file=str(directory / "train.csv")))
 
 
 def retrofit_card(directory):
-    from training import retrofit_gpt2
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    args = retrofit_gpt2.build_parser().parse_args(["--smoke"])
-    summary = {"val_loss": 2.5, "train_loss": 2.4, "generalization_gap": 0.1, "pretrain_val_loss": 3.0,
-               "trainable_parameters": 2112, "total_parameters": 828992, "hardware": HARDWARE,
-               "command": "python -m training.retrofit_gpt2 --smoke"}
-    retrofit_gpt2.write_arm_card(str(directory), "gates", 0, retrofit_gpt2.PRESETS["smoke"], args, summary,
-                                 retrofit_gpt2.gate_config_from(args), "someone/retrofit")
-    return summary
+    from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates, mark_only_gates_trainable
+    from training.common.run_scripts import ModelArguments
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=40, n_positions=32,
+                                       bos_token_id=None, eos_token_id=None))
+    add_energy_gates(model, EnergyGateConfig())
+    mark_only_gates_trainable(model)
+    return write_card(directory, model, ModelArguments(model_name_or_path="path/to/gpt2"))
 
 
-RECIPE_CARDS = {"ega_gpt": (ega_card, "someone/ega"), "chiar_former": (chiar_card, "someone/chiar"),
-                "energy_gated": (retrofit_card, "someone/retrofit")}
+RECIPE_CARDS = {"ega_gpt": ega_card, "chiar_former": chiar_card, "energy_gated": retrofit_card}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_card_a_recipe_writes_is_its_family_card_with_the_model_added(family, tmp_path):
-    write, repo_id = RECIPE_CARDS[family]
-    summary = write(tmp_path)
+    from training.results import current_command
+
+    repo_id = RECIPE_CARDS[family](tmp_path)
     card = ModelCard.load(tmp_path / "README.md")
     family_card = render_model_card(family)
 
@@ -136,5 +143,5 @@ def test_the_card_a_recipe_writes_is_its_family_card_with_the_model_added(family
         assert body[heading] == family_body[heading], heading
     assert body["Limitations"].startswith(family_body["Limitations"]) and "**This model**" in body["Limitations"]
     assert family_card.text.split("\n## ")[0].split("\n", 2)[2].strip() in card.text  # what the family is
-    assert summary["command"] in body["This model"] and "{{" not in card.text
+    assert current_command() in body["This model"] and "{{" not in card.text
     assert f'"{repo_id}"' in body["How to use"]

@@ -50,13 +50,17 @@ def results(folder, name="all_results.json"):
 
 def test_trains_chiar_former_on_a_csv_file_with_accuracy_per_depth(data, tmp_path):
     output = tmp_path / "out"
-    assert main([*CHIAR, *files(data), "--do_train", "--do_eval", "--output_dir", str(output), "--max_steps", "3",
-                 "--logging_steps", "1", "--calibration_batches", "2", *QUICK]) == 0
+    assert main([*CHIAR, *files(data), "--test_file", str(data[1]), "--do_train", "--do_eval", "--do_predict",
+                 "--output_dir", str(output), "--max_steps", "3", "--logging_steps", "1", "--calibration_batches", "2",
+                 *QUICK]) == 0
     metrics = results(output)
     # Accuracy overall is the example-weighted mean of the accuracies per depth (each depth holds ~1/3 of dev.csv)
     depths = [int(row["depth"]) for row in csv.DictReader(open(data[1], encoding="utf-8"))]
-    per_depth = sum(metrics[f"eval_accuracy_depth_{d}"] * depths.count(d) for d in set(depths)) / len(depths)
-    assert metrics["eval_accuracy"] == pytest.approx(per_depth)
+    for split in ("eval", "test"):  # the test split is dev.csv again: the same numbers
+        per_depth = sum(metrics[f"{split}_accuracy_depth_{d}"] * depths.count(d) for d in set(depths)) / len(depths)
+        assert metrics[f"{split}_accuracy"] == pytest.approx(per_depth) == pytest.approx(metrics["eval_accuracy"])
+    assert metrics["test_samples"] == 40 and results(output, "test_results.json")["test_loss"] == pytest.approx(
+        metrics["eval_loss"])
     assert metrics["eval_samples"] == 40 and metrics["train_samples"] == 160
     config = AutoConfig.from_pretrained(output)
     assert config.id2label == {0: "common", 1: "noble", 2: "royal"} and not config.is_causal
@@ -132,3 +136,12 @@ def test_bad_arguments_end_with_a_one_line_error(options, message, data, tmp_pat
     assert len(errors) == 1 and errors[0].startswith("python -m training.run_classification: error: "), errors
     assert message in errors[0]
     assert not output.exists()
+
+
+def test_an_rmt_optimal_pooling_head_is_fitted_on_the_first_training_batches(data, tmp_path):
+    output = tmp_path / "out"
+    pooling = CHIAR[:5] + [CHIAR[5] + ",classifier_pooling=rmt_optimal"]
+    assert main([*pooling, *files(data), "--do_train", "--do_eval", "--output_dir", str(output), "--max_steps", "2",
+                 "--calibration_batches", "2", *QUICK]) == 0
+    model = AutoModelForSequenceClassification.from_pretrained(output)
+    assert model.config.classifier_pooling == "rmt_optimal" and model.pooling.is_fitted

@@ -3,6 +3,7 @@ local text files; energy gates, LoRA, CHIAR-Former routing; a JSON file of argum
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Co
 
 from hf_spectral import CharTokenizer
 from hf_spectral.retrofit import has_energy_gates
-from tests.training.conftest import synthetic_text
+from tests.training.conftest import REPO_ROOT, synthetic_text
 from training.run_clm import main
 
 BLOCK = 32
@@ -48,9 +49,10 @@ def results(folder, name="all_results.json"):
     return json.loads((folder / name).read_text())
 
 
-def validation_loss(model, tokenizer, corpus, blocks: int = 8) -> float:
-    """The mean next-token loss of the first ``blocks`` blocks of the validation text, cut as run_clm cuts it."""
-    ids = tokenizer((corpus / "valid.txt").read_text())["input_ids"][: blocks * BLOCK]
+def validation_loss(model, tokenizer, corpus, blocks: int = 8, path=None) -> float:
+    """The mean next-token loss of the first ``blocks`` blocks of the validation text (or ``path``), cut as run_clm
+    cuts it."""
+    ids = tokenizer((path or corpus / "valid.txt").read_text())["input_ids"][: blocks * BLOCK]
     input_ids = torch.tensor(ids).view(blocks, BLOCK)
     model.eval()
     with torch.no_grad():
@@ -85,6 +87,10 @@ def test_gates_and_lora_fine_tune_a_checkpoint_and_the_adapter_reloads_with_its_
     for alpha in alphas:  # the gates back to the identity: the LoRA weights alone
         alpha.data.zero_()
     assert validation_loss(reloaded, tokenizer, corpus) != pytest.approx(metrics["eval_loss"], abs=1e-5)
+    # The adapter folder itself evaluates as a model: its base with the trained gates and LoRA weights
+    assert main(["--model_name_or_path", str(output), "--validation_file", str(corpus / "valid.txt"), "--do_eval",
+                 "--output_dir", str(tmp_path / "evaluated"), *QUICK]) == 0
+    assert results(tmp_path / "evaluated")["eval_loss"] == pytest.approx(metrics["eval_loss"], abs=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -150,6 +156,68 @@ def test_a_json_file_of_arguments_with_options_after_it_overriding_it(tiny_gpt2,
     assert main([str(tmp_path / "bad.json")]) == 2
 
 
+def test_a_benchmark_configuration_runs_with_options_after_it_overriding_it(corpus, tmp_path):
+    output = tmp_path / "out"
+    config_file = os.path.join(REPO_ROOT, "training", "configs", "tinyshakespeare_smoke.json")
+    assert main([config_file, "--variant", "EGA-1", *files(corpus),
+                 "--output_dir", str(output), "--max_steps", "4", "--eval_steps", "2", "--save_steps", "4"]) == 0
+    config = AutoConfig.from_pretrained(output)  # the configuration's model, the option's variant
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.gated_layers) == (
+        "ega_gpt", 32, 2, [0, 1])
+    state = json.loads((output / "trainer_state.json").read_text())
+    assert state["max_steps"] == 4 and [entry["step"] for entry in state["log_history"] if "eval_loss" in entry] == [
+        2, 4]
+    metrics = results(output)
+    assert {"eval_train_loss", "eval_generalization_gap", "eval_leak_free_loss"} <= set(metrics)
+
+
+def test_the_curve_reads_the_first_examples_the_end_scores_all_the_training_gap_and_the_test_split(
+        tiny_gpt2, corpus, tmp_path):
+    output = tmp_path / "out"
+    assert main(["--model_name_or_path", str(tiny_gpt2), *files(corpus), "--test_file", str(corpus / "valid.txt"),
+                 "--do_train", "--do_eval", "--do_predict", "--output_dir", str(output), "--max_steps", "2",
+                 "--eval_strategy", "steps", "--eval_steps", "2", "--eval_samples_during_training", "4",
+                 "--train_eval_samples", "8", "--leak_free_eval_batches", "1", *QUICK]) == 0
+    metrics = results(output)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(output), AutoTokenizer.from_pretrained(output)
+    curve = [entry["eval_loss"] for entry in json.loads((output / "trainer_state.json").read_text())["log_history"]
+             if "eval_loss" in entry]
+    assert curve == [pytest.approx(validation_loss(model, tokenizer, corpus, blocks=4), abs=1e-5)]
+    assert metrics["eval_loss"] == pytest.approx(validation_loss(model, tokenizer, corpus, blocks=8), abs=1e-5)
+    assert metrics["eval_samples"] == 8 and metrics["eval_loss"] != pytest.approx(curve[0], abs=1e-5)
+    train = corpus / "train.txt"
+    assert metrics["eval_train_loss"] == pytest.approx(validation_loss(model, tokenizer, corpus, 8, train), abs=1e-5)
+    assert metrics["eval_generalization_gap"] == pytest.approx(metrics["eval_loss"] - metrics["eval_train_loss"])
+    assert metrics["test_loss"] == pytest.approx(metrics["eval_loss"]) and metrics["test_samples"] == 8
+    assert metrics["test_perplexity"] == pytest.approx(math.exp(metrics["test_loss"]))
+    assert results(output, "test_results.json")["test_loss"] == metrics["test_loss"]
+    # A model that sees no future token: its leak-free loss is its loss on the first batch
+    assert metrics["eval_leak_free_loss"] == metrics["eval_leaky_loss"] == pytest.approx(
+        validation_loss(model, tokenizer, corpus, blocks=4), abs=1e-5)
+
+
+def test_gates_alone_train_and_are_logged_and_saved_alone(tiny_gpt2, corpus, tmp_path):
+    from hf_spectral.retrofit import load_energy_gates
+
+    output = tmp_path / "out"
+    assert main(["--model_name_or_path", str(tiny_gpt2), *files(corpus), "--do_train", "--output_dir", str(output),
+                 "--max_steps", "3", "--learning_rate", "0.05", "--add_energy_gates", "--train_only_gates",
+                 "--logging_steps", "1", *QUICK]) == 0
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    logged = [entry for entry in history if "gates/L1/H3/tau" in entry]
+    assert [entry["step"] for entry in logged] == [1, 2, 3]
+    assert 0 < logged[0]["train_seconds"] < logged[-1]["train_seconds"]
+    assert logged[-1]["gates/L0/H0/alpha"] != 0  # the gates moved from the identity (α = 0)
+    trained = AutoModelForCausalLM.from_pretrained(output)
+    assert results(output)["trainable_parameters"] == sum(
+        p.numel() for name, p in trained.named_parameters() if ".energy_gate." in name)
+    rebuilt = GPT2LMHeadModel.from_pretrained(tiny_gpt2)
+    load_energy_gates(rebuilt, str(output / "energy_gates.safetensors"))
+    ids = torch.randint(0, rebuilt.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(rebuilt.eval()(ids).logits, trained.eval()(ids).logits, atol=1e-6)
+
+
 def test_resuming_from_a_checkpoint_continues_the_run_that_was_never_interrupted(tiny_gpt2, corpus, tmp_path):
     common = ["--model_name_or_path", str(tiny_gpt2), *files(corpus), "--do_train", "--learning_rate", "0.01",
               "--lr_scheduler_type", "constant", "--save_steps", "2", *QUICK]
@@ -198,6 +266,12 @@ def test_streaming_a_text_file(tiny_gpt2, corpus, tmp_path):
          "unrecognized arguments: --learnin_rate 1"),
         (["--model_name_or_path", "GPT2", "--add_energy_gates", "--gate_normalization", "sideways"],
          "argument --gate_normalization/--gate-normalization: invalid choice: 'sideways'"),
+        (["--model_type", "gpt2", "--tokenizer_name", "char", "--train_eval_samples", "4"],
+         "--train_eval_samples is reported with the evaluation: add --do_eval"),
+        (["--model_type", "gpt2", "--tokenizer_name", "char", "--do_predict"],
+         "--do_predict needs a test split (--test_file, or a dataset that has one)"),
+        (["--model_type", "gpt2", "--tokenizer_name", "char", "--eval_samples_during_training", "0"],
+         "--eval_samples_during_training must be at least 1, got 0"),
     ],
 )
 def test_bad_arguments_end_with_a_one_line_error(options, message, corpus, tmp_path, capsys):

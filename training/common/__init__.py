@@ -1,1 +1,2 @@
-"""What the recipes share: data, presets, the Trainer pieces, callbacks, figures, model cards."""
+"""What the benchmarks share: run_scripts (the two training scripts), experiments (runs of them), ega and chiar (the
+two families' runs and tables), data, plots, model cards, the command line."""

@@ -1,4 +1,5 @@
-"""Figures the recipes write: validation curves, per-token gate heat maps, τ/α trajectories (PNG)."""
+"""The reproductions' figures (PNG), from what a run wrote: its ``log_history`` (validation curve, training loss, the
+gates' τ and α, routing fractions and training seconds) and its saved model (gate values and routing per token)."""
 
 from __future__ import annotations
 
@@ -12,121 +13,182 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-VALIDATION_CURVE_KEY = "eval_validation_curve_loss"
+OPERATOR_COLOURS = {"dct": "#4c72b0", "rbf": "#55a868", "attention": "#c44e52"}
 
 
-def curve(log_history: list, key: str) -> tuple[list, list]:
-    points = [(entry["step"], entry[key]) for entry in log_history if key in entry]
-    return [p[0] for p in points], [p[1] for p in points]
+def points(history: list, key: str) -> list:
+    """(step, value) of every log entry that has ``key``."""
+    return [(entry["step"], entry[key]) for entry in history if key in entry]
 
 
-def plot_learning_curves(histories: dict, path: str, title: str) -> str:
-    """Validation loss (fixed subset, evaluation mode) per run; thin lines: running training loss.
+def seconds_at(history: list, step: float) -> float | None:
+    """Training seconds at ``step``, interpolated between the entries that logged ``train_seconds``."""
+    known = points(history, "train_seconds")
+    if not known:
+        return None
+    return float(np.interp(step, [0] + [s for s, _ in known], [0.0] + [t for _, t in known]))
 
-    ``histories``: label -> Trainer ``log_history``. Several runs with the same label prefix (seeds) get one
-    colour.
-    """
-    fig, ax = plt.subplots(figsize=(8, 5))
+
+def plot_validation_curves(histories: dict, key: str, path: str, title: str, against_time: bool = False) -> str:
+    """The validation curve ``key`` of each run (label -> log_history; labels "<arm> seed <k>" share a colour per arm)
+    against the step, faint: the training loss; ``against_time``: a second panel against the training seconds."""
+    fig, axes = plt.subplots(1, 2 if against_time else 1, figsize=(12 if against_time else 8, 4.8), squeeze=False)
     colours = {}
     for label, history in histories.items():
-        group = label.split(" seed")[0]
-        colour = colours.setdefault(group, f"C{len(colours) % 10}")
-        steps, values = curve(history, VALIDATION_CURVE_KEY)
-        ax.plot(steps, values, color=colour, marker="o", markersize=3, label=label)
-        steps, values = curve(history, "loss")
-        ax.plot(steps, values, color=colour, alpha=0.25, linewidth=1)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats / token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.text(0.99, 0.99, "markers: validation (eval mode); faint: training (running, with dropout)",
-            transform=ax.transAxes, ha="right", va="top", fontsize=7, alpha=0.7)
-    return _save(fig, path)
+        colour = colours.setdefault(label.split(" seed")[0], f"C{len(colours) % 10}")
+        curve = points(history, key)
+        if curve:
+            axes[0, 0].plot(*zip(*curve), color=colour, marker="o", markersize=3, label=label)
+        if against_time and curve and points(history, "train_seconds"):
+            axes[0, 1].plot([seconds_at(history, step) for step, _ in curve], [value for _, value in curve],
+                            color=colour, marker="o", markersize=3)
+        if key.endswith("loss") and points(history, "loss"):
+            axes[0, 0].plot(*zip(*points(history, "loss")), color=colour, alpha=0.25, linewidth=1)
+    axes[0, 0].set_xlabel("optimiser step")
+    axes[0, 0].set_ylabel(key.replace("eval_", "validation "))
+    if against_time:
+        axes[0, 1].set_xlabel("training wall-clock (s)")
+    for ax in axes[0]:
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7, ncol=2 if len(histories) > 8 else 1)
+    fig.suptitle(title, fontsize=10)
+    return save(fig, path)
 
 
 @torch.no_grad()
 def gate_values_per_token(model, input_ids: torch.Tensor) -> dict:
-    """{layer: (heads, T) gate values g ∈ (0, 1)} for one sequence, read from every ``EnergyGate`` module by a
-    forward hook, so it works for EGA-GPT and for retrofitted models alike."""
-    from hf_spectral.ops.energy_gate import EnergyGate
+    """{layer: (heads, T) gate values in (0, 1)} of one sequence, read from every ``EnergyGate`` by a forward hook
+    (EGA-GPT and retrofitted models alike)."""
+    import re
 
-    from .callbacks import _layer_index
+    from hf_spectral.ops.energy_gate import EnergyGate
 
     captured, handles = {}, []
     for name, module in model.named_modules():
         if isinstance(module, EnergyGate) and "original_module" not in name:
-            layer = _layer_index(name)
+            layer = int(re.search(r"\.(?:h|layers|layer)\.(\d+)\.", name).group(1))
             handles.append(module.register_forward_hook(
                 lambda mod, args, out, layer=layer: captured.__setitem__(layer, out[1][0].float().cpu())))
-    was_training = model.training
     model.eval()
     try:
-        model(input_ids=input_ids[None] if input_ids.ndim == 1 else input_ids[:1])
+        model(input_ids=input_ids[None])
     finally:
-        model.train(was_training)
         for handle in handles:
             handle.remove()
     return dict(sorted(captured.items()))
 
 
-def _printable(char: str) -> str:
-    return {"\n": "⏎", " ": "␣", "\t": "⇥"}.get(char, char)
+def printable(token: str) -> str:
+    return {"\n": "⏎", " ": "␣", "\t": "⇥"}.get(token, token)
 
 
 def plot_gate_heatmap(gates: dict, tokens: list, path: str, title: str) -> str:
-    """Heat map of gate values: one row per (layer, head), one column per token of a text sample."""
-    rows, labels = [], []
-    for layer, values in gates.items():
-        for head in range(values.shape[0]):
-            rows.append(values[head].numpy())
-            labels.append(f"L{layer} H{head}")
-    matrix = np.stack(rows)
-    width = max(8.0, 0.16 * len(tokens))
-    fig, ax = plt.subplots(figsize=(width, 1.2 + 0.28 * len(rows)))
-    image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
-    ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    ax.set_xticks(range(len(tokens)), [_printable(t) for t in tokens], fontsize=7, family="monospace")
+    """Gate values: one row per (layer, head), one column per token of a text sample."""
+    rows = [(f"L{layer} H{head}", values[head].numpy()) for layer, values in gates.items()
+            for head in range(values.shape[0])]
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.16 * len(tokens)), 1.2 + 0.28 * len(rows)))
+    image = ax.imshow(np.stack([row for _, row in rows]), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0,
+                      interpolation="nearest")
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
+    ax.set_xticks(range(len(tokens)), [printable(token) for token in tokens], fontsize=7, family="monospace")
     ax.set_title(title)
     fig.colorbar(image, ax=ax, fraction=0.02, pad=0.01, label="gate g")
-    return _save(fig, path)
+    return save(fig, path)
 
 
-def plot_gate_trajectories(records: list, path: str, title: str) -> str:
-    """τ and α of every head (mean over scales) against the training step, one column per layer."""
-    layers = sorted({int(layer) for record in records for layer in record["layers"]})
+def plot_gate_trajectories(history: list, path: str, title: str) -> str | None:
+    """τ and α of every head against the step (``gates/L<layer>/H<head>/...`` log entries), one column per layer."""
+    keys = sorted({key for entry in history for key in entry if key.startswith("gates/")})
+    layers = sorted({int(key.split("/")[1][1:]) for key in keys})
+    if not layers:
+        return None
     fig, axes = plt.subplots(2, len(layers), figsize=(3.2 * len(layers), 5.5), squeeze=False, sharex=True)
-    steps = [record["step"] for record in records]
     for column, layer in enumerate(layers):
         for row, name in enumerate(("tau", "alpha")):
-            values = np.array([np.asarray(record["layers"][str(layer)][name]).mean(-1) for record in records])
             ax = axes[row, column]
-            for head in range(values.shape[1]):
-                ax.plot(steps, values[:, head], linewidth=1, label=f"head {head}")
+            for key in (key for key in keys if key.startswith(f"gates/L{layer}/") and key.endswith(f"/{name}")):
+                ax.plot(*zip(*points(history, key)), linewidth=1, label=key.split("/")[2].replace("H", "head "))
             ax.set_title(f"layer {layer}: {'τ' if name == 'tau' else 'α'}", fontsize=9)
             ax.grid(alpha=0.3)
-            if row == 1:
-                ax.set_xlabel("step")
+        axes[1, column].set_xlabel("step")
     axes[0, 0].legend(fontsize=6)
     fig.suptitle(title)
-    return _save(fig, path)
+    return save(fig, path)
 
 
-def write_gate_figures(run_dir: str, model, dataset, tokenizer, heatmap_title: str, trajectory_title: str):
-    """``gate_heatmap.png`` (gate values on the first 96 tokens of ``dataset``) and, when the run recorded them,
-    ``gate_trajectories.png`` (from ``gate_trajectory.jsonl``) in ``run_dir``."""
-    from .callbacks import read_gate_trajectory
+@torch.no_grad()
+def plot_entropy_histograms(model, batches: list, path: str, title: str) -> str | None:
+    """One histogram per routed layer of the tokens' spectral entropy, with the layer's thresholds."""
+    from hf_spectral.models.chiar_former import measure_entropies
 
-    sample = torch.as_tensor(dataset[0]["input_ids"][:96], dtype=torch.long)
-    tokens = tokenizer.convert_ids_to_tokens(sample.tolist())
-    plot_gate_heatmap(gate_values_per_token(model, sample), tokens, os.path.join(run_dir, "gate_heatmap.png"),
-                      heatmap_title)
-    records = read_gate_trajectory(os.path.join(run_dir, "gate_trajectory.jsonl"))
-    if records:
-        plot_gate_trajectories(records, os.path.join(run_dir, "gate_trajectories.png"), trajectory_title)
+    config = model.config
+    if not config.routed_layers:
+        return None
+    entropies = measure_entropies(model.eval(), batches, across_processes=False)
+    fig, axes = plt.subplots(1, len(entropies), figsize=(max(7.0, 4.2 * len(entropies)), 3.4), squeeze=False)
+    for ax, layer, values in zip(axes[0], config.routed_layers, entropies):
+        ax.hist(values.numpy(), bins=60, color="#777777", alpha=0.85)
+        if config.router_type == "threshold":
+            for tau in config.thresholds_for(layer):
+                ax.axvline(tau, color="black", linestyle="--", linewidth=1)
+                ax.text(tau, ax.get_ylim()[1] * 0.95, f" τ={tau:.4f}", fontsize=7, va="top")
+        ax.set_title(f"layer {layer}", fontsize=9)
+        ax.set_xlabel("spectral entropy H")
+    axes[0, 0].set_ylabel("tokens")
+    fig.suptitle(title, fontsize=10)
+    return save(fig, path)
 
 
-def _save(fig, path: str) -> str:
+def plot_routing_over_training(history: list, operators: list, path: str, title: str) -> str | None:
+    """Share of the tokens of the fixed training batches per operator (``routing/L<layer>/<operator>`` log entries)
+    against the step, one panel per routed layer."""
+    layers = sorted({key.split("/")[1] for entry in history for key in entry if key.startswith("routing/")},
+                    key=lambda layer: int(layer[1:]))
+    if not layers:
+        return None
+    fig, axes = plt.subplots(1, len(layers), figsize=(max(7.0, 4.2 * len(layers)), 3.2), squeeze=False, sharey=True)
+    for ax, layer in zip(axes[0], layers):
+        for operator in operators:
+            curve = points(history, f"routing/{layer}/{operator}")
+            if curve:
+                ax.plot(*zip(*curve), label=operator, color=OPERATOR_COLOURS.get(operator), marker=".")
+        ax.set_title(f"layer {layer[1:]}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("fraction of tokens")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return save(fig, path)
+
+
+@torch.no_grad()
+def plot_routing_map(model, input_ids: torch.Tensor, tokenizer, path: str, title: str) -> str | None:
+    """The operator each token of one sample took in each routed layer (rows: layers, columns: tokens)."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    config = model.config
+    if not config.routed_layers:
+        return None
+    outputs = model.eval()(input_ids=input_ids[None], output_routing=True,
+                           **({"use_cache": False} if config.is_causal else {}))
+    routes = torch.stack([decisions[0] for decisions in outputs.routing_decisions]).cpu().numpy()
+    tokens = [printable(tokenizer.convert_tokens_to_string([token]) or token)
+              for token in tokenizer.convert_ids_to_tokens(input_ids.tolist())]
+    colours = [OPERATOR_COLOURS.get(operator, "#999999") for operator in config.routed_operators]
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.2 * len(tokens)), 1.4 + 0.45 * len(routes)))
+    ax.imshow(routes, aspect="auto", cmap=ListedColormap(colours), vmin=0, vmax=len(colours) - 1,
+              interpolation="nearest")
+    ax.set_yticks(range(len(routes)), [f"layer {layer}" for layer in config.routed_layers], fontsize=8)
+    ax.set_xticks(range(len(tokens)), tokens, fontsize=6, rotation=90, family="monospace")
+    ax.legend(handles=[Patch(color=c, label=op) for op, c in zip(config.routed_operators, colours)],
+              fontsize=7, loc="upper right", bbox_to_anchor=(1.0, 1.35), ncol=len(colours))
+    ax.set_title(title, fontsize=10, loc="left")
+    return save(fig, path)
+
+
+def save(fig, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

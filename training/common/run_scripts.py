@@ -5,12 +5,13 @@
   `parse_arguments`: a JSON file of arguments first, command-line options after it overriding it;
 * `load_raw_datasets`: a Hub dataset or local files, with a validation split;
 * `build_config`, `build_tokenizer` (``char``: a character tokenizer of the training text), `build_model`;
-* `add_gates_and_lora`; `calibrate_routing` and `ChiarRoutingCallback` for CHIAR-Former;
+* `add_gates_and_lora`; `calibrate_routing` for CHIAR-Former;
+* `SpectralTrainer` (the gates' weight decay and learning rate) and `TrainingLogCallback` (gates, routing, time);
 * `write_model_card`: the family card of ``model_cards/`` for EGA-GPT and CHIAR-Former, Trainer's card otherwise.
 
 Bad input raises `UsageError`, which the scripts print as one line (``<program>: error: ...``) with exit status 2.
-The scripts stand on ``HfArgumentParser``, ``TrainingArguments`` and ``Trainer`` alone, not on the recipes' presets
-or run folders.
+The scripts stand on ``HfArgumentParser``, ``TrainingArguments`` and ``Trainer`` alone; the benchmark drivers run
+them with a configuration of ``training/configs/``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import datasets
@@ -39,25 +41,22 @@ from transformers import (
     AutoConfig,
     AutoTokenizer,
     HfArgumentParser,
+    Trainer,
     TrainerCallback,
 )
 
 import hf_spectral  # noqa: F401  (registers EGA-GPT, CHIAR-Former and the energy-gated models with the Auto classes)
+from hf_spectral.file_permissions import umask_permissions_for_what_is_written
 from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates, has_energy_gates, mark_only_gates_trainable
 from hf_spectral.retrofit.cli import TOKENIZER_FILES
 
+from .cli import UsageError, one_line, program_name, run_main  # noqa: F401  (the scripts' entry points use them)
+
 logger = logging.getLogger(__name__)
 
+METRICS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metrics")
 # The data files each builder of `datasets` reads, by extension.
 BUILDERS = {"txt": "text", "json": "json", "jsonl": "json", "csv": "csv"}
-
-
-class UsageError(Exception):
-    """Bad input: said in one line on stderr, exit status 2."""
-
-
-def one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 @contextlib.contextmanager
@@ -68,22 +67,6 @@ def said_as_usage_error(what: str):
         yield
     except (ValueError, TypeError, KeyError, OSError) as error:
         raise UsageError(f"{what}: {one_line(error)}") from error
-
-
-def program_name(script: str, command: str) -> str:
-    """``hf-spectral train <command>`` from the command-line tool, else ``python -m <package>.<script>``."""
-    if os.path.basename(sys.argv[0]) == "hf-spectral":
-        return f"hf-spectral train {command}"
-    return f"python -m {__package__.rpartition('.')[0]}.{script}"
-
-
-def run_main(train, argv, prog: str) -> int:
-    """``train(argv)``, with a `UsageError` printed as one line and exit status 2."""
-    try:
-        return train(argv)
-    except UsageError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -129,6 +112,10 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run the code a Hub checkpoint or dataset ships (read it first)."}
     )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "Attention backend (sdpa, eager, flex_attention, ...; default: transformers' choice)."},
+    )
     dtype: str = field(
         default="auto",
         metadata={"help": "Data type of the checkpoint's weights: auto (the type they were saved in), or float32 "
@@ -172,7 +159,7 @@ _GATE_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(EnergyGateC
 
 @dataclass
 class SpectralArguments:
-    """The project's additions: energy gates on a checkpoint, LoRA adapters, CHIAR-Former routing."""
+    """The project's additions: energy gates on a checkpoint, LoRA adapters, CHIAR-Former routing, and evaluation."""
 
     add_energy_gates: bool = field(
         default=False,
@@ -222,15 +209,38 @@ class SpectralArguments:
     per_layer_thresholds: bool = field(
         default=False, metadata={"help": "Calibrate one threshold set per routed layer (default: one shared set)."}
     )
-    leak_free_eval_batches: int = field(
-        default=4,
-        metadata={"help": "Causal LMs whose gates use window statistics (they see future tokens): evaluation "
-                  "batches also scored leak-free, each token predicted from its prefix (eval_leak_free_loss)."},
+    leak_free_eval_batches: int | None = field(
+        default=None,
+        metadata={"help": "Causal LMs: the first N evaluation batches are also scored leak-free, each token predicted "
+                  "from its prefix (eval_leak_free_loss, by cached decoding for a model whose gates use window "
+                  "statistics and see future tokens), beside the ordinary loss on the same batches (eval_leaky_loss)."
+                  " Default: 4 for a model that sees future tokens, none for others (whose two losses are equal)."},
+    )
+    gate_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Learning rate of the energy gates (added or the model's own; default: --learning_rate): "
+                  "gates that start as the identity beside pretrained weights train faster with a higher one."},
+    )
+    gate_scalar_weight_decay: bool = field(
+        default=False,
+        metadata={"help": "Apply --weight_decay to the gates' scalars (τ, α, mixing logits, Morlet ω₀ / σ) too. By "
+                  "default they are not decayed, as in the EGA authors' optimiser: decay pulls the gates towards 0."},
+    )
+    eval_samples_during_training: int | None = field(
+        default=None,
+        metadata={"help": "Evaluations during training (--eval_strategy) score only the first N evaluation examples: "
+                  "a cheap validation curve. The final evaluation scores all of them (or --max_eval_samples)."},
+    )
+    train_eval_samples: int = field(
+        default=0,
+        metadata={"help": "With --do_eval: also score the first N training examples in evaluation mode (no dropout) "
+                  "after training: eval_train_loss, and the generalisation gap eval_generalization_gap = eval_loss "
+                  "- eval_train_loss."},
     )
 
     def __post_init__(self):
         changed = [item.name for item in dataclasses.fields(self) if getattr(self, item.name) != item.default]
-        gate_options = [name for name in changed if name.startswith("gate_")]
+        gate_options = [name for name in changed if name.removeprefix("gate_") in _GATE_HELP]  # EnergyGateConfig's
         if gate_options and not self.add_energy_gates:
             raise ValueError(f"--{gate_options[0]} configures added gates: use it with --add_energy_gates")
         lora_options = [name for name in changed if name.startswith("lora_") and name != "lora_r"]
@@ -241,10 +251,14 @@ class SpectralArguments:
         if self.train_only_gates and self.lora_r:
             raise ValueError("--train_only_gates trains the gates alone; with --lora_r added gates already train "
                              "beside the adapters")
-        if self.calibration_batches < 1:
-            raise ValueError(f"--calibration_batches must be at least 1, got {self.calibration_batches}")
-        if self.leak_free_eval_batches < 0:
-            raise ValueError(f"--leak_free_eval_batches must be 0 or more, got {self.leak_free_eval_batches}")
+        for name in ("calibration_batches", "eval_samples_during_training"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("leak_free_eval_batches", "train_eval_samples"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be 0 or more, got {getattr(self, name)}")
+        if self.gate_learning_rate is not None and not self.gate_learning_rate > 0:
+            raise ValueError(f"--gate_learning_rate must be positive, got {self.gate_learning_rate}")
         if self.add_energy_gates:
             self.gate_config()  # its own checks (a ValueError naming the setting)
 
@@ -302,8 +316,14 @@ def check_arguments(model_args, spectral_args, training_args) -> None:
     if spectral_args.lora_r and model_args.from_scratch:
         raise UsageError("--lora_r adapts a pretrained --model_name_or_path: a new model's random weights would be "
                          "the adapter's base, and they are not saved")
-    if not (training_args.do_train or training_args.do_eval):
-        raise UsageError("nothing to do: pass --do_train and / or --do_eval")
+    if not (training_args.do_train or training_args.do_eval or training_args.do_predict):
+        raise UsageError("nothing to do: pass --do_train, --do_eval and / or --do_predict")
+    if spectral_args.train_eval_samples and not training_args.do_eval:
+        raise UsageError("--train_eval_samples is reported with the evaluation: add --do_eval")
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    with said_as_usage_error("--report_to"):  # else refused by Trainer, once the data are prepared
+        get_reporting_integration_callbacks(training_args.report_to)
     checkpoint = training_args.resume_from_checkpoint
     if checkpoint is not None and not os.path.isdir(checkpoint):
         raise UsageError(f"--resume_from_checkpoint {checkpoint}: no such checkpoint folder")
@@ -326,10 +346,11 @@ def setup_logging(training_args) -> None:
 
 def check_data_files(data_args, extensions: tuple) -> None:
     """A dataset name or data files, existing, of a known extension, the same for every split."""
-    files = {"train": data_args.train_file, "validation": data_args.validation_file}
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
     given = {split: path for split, path in files.items() if path}
     if data_args.dataset_name and given:
-        raise ValueError("give either --dataset_name or data files (--train_file, --validation_file), not both")
+        raise ValueError("give either --dataset_name or data files (--train_file, --validation_file, --test_file), "
+                         "not both")
     if not data_args.dataset_name and not given:
         raise ValueError("no data: give --dataset_name or --train_file (and optionally --validation_file)")
     for split, path in given.items():
@@ -339,12 +360,13 @@ def check_data_files(data_args, extensions: tuple) -> None:
         if not os.path.isfile(path):
             raise ValueError(f"--{split}_file {path}: no such file")
     if len({BUILDERS[path.rpartition('.')[2]] for path in given.values()}) > 1:
-        raise ValueError("--train_file and --validation_file must have the same format")
+        raise ValueError("--train_file, --validation_file and --test_file must have the same format")
 
 
 def load_raw_datasets(data_args, model_args, need_validation: bool, streaming: bool = False):
-    """``{"train", "validation"}`` splits (streamed with ``streaming``). Without a validation split, the first
-    ``validation_split_percentage`` percent of the training split are held out (not possible for a stream)."""
+    """``{"train", "validation", "test"}`` splits, those there are (streamed with ``streaming``). Without a validation
+    split, the first ``validation_split_percentage`` percent of the training split are held out (not possible for a
+    stream)."""
     if data_args.dataset_name:
         with said_as_usage_error(f"cannot load the dataset {data_args.dataset_name}"):
             # (datasets 4 runs no dataset scripts and has no trust_remote_code option)
@@ -353,15 +375,15 @@ def load_raw_datasets(data_args, model_args, need_validation: bool, streaming: b
                                         cache_dir=model_args.cache_dir, token=model_args.token, streaming=streaming,
                                         **code)
     else:
-        files = {split: path for split, path in (("train", data_args.train_file),
+        files = {split: path for split, path in (("train", data_args.train_file), ("test", data_args.test_file),
                                                  ("validation", data_args.validation_file)) if path}
         builder = BUILDERS[next(iter(files.values())).rpartition(".")[2]]
         options = {"keep_linebreaks": data_args.keep_linebreaks} if builder == "text" else {}
         with said_as_usage_error(f"cannot read {', '.join(files.values())}"):
             raw = datasets.load_dataset(builder, data_files=files, cache_dir=model_args.cache_dir,
                                         streaming=streaming, **options)
-    if "train" not in raw and "validation" not in raw:
-        raise UsageError(f"the dataset has no train or validation split (it has {', '.join(raw)})")
+    if not {"train", "validation", "test"} & set(raw):
+        raise UsageError(f"the dataset has no train, validation or test split (it has {', '.join(raw)})")
     if need_validation and "validation" not in raw:
         if streaming:
             raise UsageError("--streaming with --do_eval needs a validation split (--validation_file, or a dataset "
@@ -391,8 +413,8 @@ def check_column(dataset, name: str, option: str) -> None:
 
 
 def first_examples(dataset, count: int | None):
-    """The first ``count`` examples (all with None), of a dataset or a stream."""
-    if count is None:
+    """The first ``count`` examples (all with None), of a dataset or a stream (or None)."""
+    if count is None or dataset is None:
         return dataset
     if isinstance(dataset, datasets.IterableDataset):
         return dataset.take(count)
@@ -407,7 +429,8 @@ def first_examples(dataset, count: int | None):
 def parse_config_overrides(text: str, defaults) -> dict:
     """``key=value,key=value`` -> {key: value}, each value read as the type of the field's default in ``defaults``
     (as ``PreTrainedConfig.update_from_string``: numbers, true / false, strings), or as JSON where the default is
-    None, a list or a dict. A comma starts a new item only before ``key=``, so JSON lists keep theirs."""
+    None, a list or a dict; ``null`` is None. A comma starts a new item only before ``key=``, so JSON lists keep
+    theirs."""
     overrides = {}
     if not text.strip():
         return overrides
@@ -419,7 +442,9 @@ def parse_config_overrides(text: str, defaults) -> dict:
             raise ValueError(f"--config_overrides: {key!r} is not a field of {type(defaults).__name__}")
         default = getattr(defaults, key)
         try:
-            if isinstance(default, bool):
+            if value == "null":
+                overrides[key] = None
+            elif isinstance(default, bool):
                 if value.lower() not in ("true", "false"):
                     raise ValueError(f"expected true or false, got {value!r}")
                 overrides[key] = value.lower() == "true"
@@ -441,6 +466,10 @@ def build_config(model_args, **task_fields):
     --variant) with --config_overrides. ``task_fields`` (e.g. num_labels) go to every config."""
     if model_args.model_name_or_path or model_args.config_name:
         source = model_args.config_name or model_args.model_name_or_path
+        adapter = os.path.join(source, "adapter_config.json")
+        if os.path.isfile(adapter) and not os.path.isfile(os.path.join(source, "config.json")):
+            with open(adapter, encoding="utf-8") as handle:  # a PEFT adapter folder: the config of its base model
+                source = json.load(handle)["base_model_name_or_path"]
         with said_as_usage_error(f"cannot read the config of {source}"):
             return AutoConfig.from_pretrained(source, **model_args.hub_kwargs(), **task_fields)
     with said_as_usage_error(f"cannot build the config of a new {model_args.model_type} model"):
@@ -492,16 +521,45 @@ def build_model(auto_class, model_args, config, tokenizer):
         if not model_args.sets_vocab_size:
             config.vocab_size = len(tokenizer)
         with said_as_usage_error(f"cannot build a {config.model_type} model for {auto_class.__name__}"):
-            model = auto_class.from_config(config, trust_remote_code=model_args.trust_remote_code)
+            model = auto_class.from_config(config, trust_remote_code=model_args.trust_remote_code,
+                                           attn_implementation=model_args.attn_implementation)
     else:
         dtype = "auto" if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
         with said_as_usage_error(f"cannot load {model_args.model_name_or_path} as {auto_class.__name__}"):
             model = auto_class.from_pretrained(model_args.model_name_or_path, config=config, dtype=dtype,
+                                               attn_implementation=model_args.attn_implementation,
                                                **model_args.hub_kwargs())
     embedding_size = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > embedding_size:
         model.resize_token_embeddings(len(tokenizer))
     return model
+
+
+def prepare_for_training(model, training_args) -> None:
+    """TrainingArguments the model needs: a routed CHIAR-Former's operator that no token of a process's batch chose
+    gets no gradient there, which DistributedDataParallel refuses unless told to look for unused parameters."""
+    if is_chiar(model) and base_model(model).config.routed_layers and training_args.ddp_find_unused_parameters is None:
+        training_args.ddp_find_unused_parameters = True
+
+
+def save_gates_alone(trainer) -> None:
+    """``energy_gates.safetensors`` beside a model whose gates alone trained: a few kilobytes that rebuild it from the
+    model the gates were added to (`hf_spectral.retrofit.load_energy_gates`)."""
+    from hf_spectral.retrofit import save_energy_gates
+
+    if trainer.is_world_process_zero():
+        save_energy_gates(trainer.model, os.path.join(trainer.args.output_dir, "energy_gates.safetensors"))
+
+
+def load_metric(name: str):
+    """A local ``evaluate`` module of ``training/metrics/<name>/`` (works offline), in memory and under an experiment
+    id of its own: runs at the same time must not share evaluate's cache files."""
+    import evaluate
+
+    path = os.path.join(METRICS_DIR, name)
+    if not os.path.isfile(os.path.join(path, f"{name}.py")):
+        raise FileNotFoundError(f"no metric module {name!r} under {METRICS_DIR}")
+    return evaluate.load(path, keep_in_memory=True, experiment_id=uuid.uuid4().hex)
 
 
 def base_model(model):
@@ -530,10 +588,13 @@ def add_gates_and_lora(model, spectral_args, task_type: str):
         )
         with said_as_usage_error("--lora_r"):
             model = get_peft_model(model, lora_config)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    trainable, total = trainable_parameters(model), sum(p.numel() for p in model.parameters())
     logger.info(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
     return model
+
+
+def trainable_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def sees_future_tokens(config) -> bool:
@@ -544,18 +605,94 @@ def sees_future_tokens(config) -> bool:
 
 
 def leak_free_metrics(model, batches: list) -> dict:
-    """Next-token loss of ``batches`` with each token predicted from its prefix alone (one cached decoding step per
-    token, `hf_spectral.evaluation.causal_lm_losses`), and its perplexity; ``leaky_loss``: the ordinary forward
-    pass's loss on the same batches, which sees later tokens."""
-    from hf_spectral.evaluation import causal_lm_losses
+    """Next-token loss of ``batches`` with each token predicted from its prefix alone and its perplexity, beside
+    ``leaky_loss``: the ordinary forward pass's loss on the same batches. For a model whose gates see future tokens
+    the leak-free loss comes from cached decoding, one step per token (`hf_spectral.evaluation.causal_lm_losses`);
+    for any other the two are the same forward pass."""
+    from hf_spectral.evaluation import causal_lm_losses, evaluation_mode
 
     device = next(model.parameters()).device
-    losses = [causal_lm_losses(model, batch["input_ids"].to(device),
-                               None if batch.get("attention_mask") is None else batch["attention_mask"].to(device))
-              for batch in batches]
+    future = sees_future_tokens(base_model(model).config)
+    losses = []
+    for batch in batches:
+        input_ids = batch["input_ids"].to(device)
+        mask = None if batch.get("attention_mask") is None else batch["attention_mask"].to(device)
+        if future:
+            losses.append(causal_lm_losses(model, input_ids, mask))
+        else:
+            with evaluation_mode(model), torch.no_grad():
+                loss = float(model(input_ids=input_ids, attention_mask=mask, labels=input_ids, use_cache=False).loss)
+            losses.append({"loss": loss, "leak_free_loss": loss})
     leak_free = statistics.fmean(loss["leak_free_loss"] for loss in losses)
     return {"leak_free_loss": leak_free, "leak_free_perplexity": math.exp(leak_free),
             "leaky_loss": statistics.fmean(loss["loss"] for loss in losses)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training: the optimiser of the additions, what is logged while training
+# ----------------------------------------------------------------------------------------------------------------
+
+# The energy gates' scalars: threshold τ, slope α, the mixing logits of several scales, Morlet ω₀ and σ
+GATE_SCALARS = re.compile(r"\.energy_gate\..*(tau|alpha|mix_logits|omega|sigma)$")
+
+
+class SpectralTrainer(Trainer):
+    """``Trainer`` with the additions' optimiser settings: the gates' scalars get no weight decay (unless
+    --gate_scalar_weight_decay) and the gates their own learning rate (--gate_learning_rate). Its saves give the files
+    they write the umask's modes (safetensors writes 0600), and the pushes of checkpoints carry the model's code, so
+    that a Hub repository loads with ``trust_remote_code`` at every commit (Trainer copies the weights and config
+    only)."""
+
+    def __init__(self, *args, spectral_args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.spectral_args = spectral_args
+
+    def get_decay_parameter_names(self, model) -> list:
+        names = super().get_decay_parameter_names(model)
+        if self.spectral_args.gate_scalar_weight_decay:
+            return names
+        return [name for name in names if not GATE_SCALARS.search(name)]
+
+    def create_optimizer(self, model=None):
+        creating = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        rate = self.spectral_args.gate_learning_rate
+        if creating and rate is not None:  # the gates of each parameter group move to a group of their own
+            gates = {id(p) for name, p in (model or self.model).named_parameters() if ".energy_gate." in name}
+            for group in list(optimizer.param_groups):
+                moved = [p for p in group["params"] if id(p) in gates]
+                if moved:
+                    group["params"] = [p for p in group["params"] if id(p) not in gates]
+                    optimizer.add_param_group({**group, "params": moved, "lr": rate})
+        return optimizer
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        folder = output_dir or self.args.output_dir
+        saving = umask_permissions_for_what_is_written(folder) if self.args.should_save else contextlib.nullcontext()
+        with saving:
+            super().save_model(output_dir, _internal_call)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self.is_world_process_zero():
+            for name in os.listdir(checkpoint_folder):
+                if name.endswith(".py") or name == "energy_gate_config.json":
+                    shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(self.args.output_dir, name))
+        super()._push_from_checkpoint(checkpoint_folder)
+
+
+def gate_values(model) -> dict:
+    """τ and α of every energy gate (EGA-GPT's or added; of PEFT's trained copy, not its frozen original), per layer
+    and head, averaged over scales: ``gates/L<layer>/H<head>/tau`` and ``.../alpha``."""
+    parameters = dict(model.named_parameters())
+    values = {}
+    for name, tau in parameters.items():
+        if ".energy_gate." in name and name.endswith(".tau") and "original_module" not in name:
+            layer = re.search(r"\.(?:h|layers|layer)\.(\d+)\.", name).group(1)
+            alpha = parameters[name.removesuffix("tau") + "alpha"]
+            for kind, values_per_head in (("tau", tau), ("alpha", alpha)):
+                for head, value in enumerate(values_per_head.detach().float().mean(-1).tolist()):
+                    values[f"gates/L{layer}/H{head}/{kind}"] = round(value, 5)
+    return values
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -627,19 +764,26 @@ def routing_profile(model, batches: list) -> dict:
     return profile
 
 
-class ChiarRoutingCallback(TrainerCallback):
-    """Logs a CHIAR-Former's routing fractions and FLOPs per sequence (`routing_profile` of fixed training batches)
-    after every training log line and at the end of training, as log entries of their own (to every ``report_to``
-    integration and ``trainer_state.json``); records the wall-clock seconds of each optimiser step for the card.
+class TrainingLogCallback(TrainerCallback):
+    """After every training log line and at the end of training, logs what the model's additions do, as a log entry
+    of its own (to every ``report_to`` integration and ``trainer_state.json``): ``train_seconds``, the wall-clock
+    seconds of the optimiser steps so far (forward, backward, update; no evaluation or saving); the gates' τ and α
+    (`gate_values`); for a CHIAR-Former its routing fractions and FLOPs on fixed training batches
+    (`routing_profile` of ``routing_batches``). Each step's seconds are kept for the model card.
 
     It logs through the trainer, which `set_trainer` gives it once the trainer exists."""
 
-    def __init__(self, batches: list):
-        self.batches, self.trainer = batches, None
-        self.step_seconds, self._start, self._logged_step = [], None, None
+    def __init__(self, routing_batches: list | None = None):
+        self.routing_batches, self.trainer = routing_batches, None
+        self.step_seconds, self._start, self._logged_step, self._seconds_before = [], None, None, 0.0
 
     def set_trainer(self, trainer) -> None:
         self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A resumed run's clock goes on from the time its checkpoint had logged
+        logged = [entry["train_seconds"] for entry in state.log_history if "train_seconds" in entry]
+        self._seconds_before = logged[-1] if logged else 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._start = time.perf_counter()
@@ -659,7 +803,10 @@ class ChiarRoutingCallback(TrainerCallback):
 
     def _log(self, state, model):
         self._logged_step = state.global_step
-        self.trainer.log(routing_profile(model, self.batches))
+        entry = {"train_seconds": round(self._seconds_before + sum(self.step_seconds), 3), **gate_values(model)}
+        if self.routing_batches is not None:
+            entry.update(routing_profile(model, self.routing_batches))
+        self.trainer.log(entry)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -675,7 +822,8 @@ EGA_VARIANT_DESCRIPTIONS = {
 }
 
 
-# Metrics a card's results table and model index show (``eval_<name>``, and run_clm's ``perplexity``)
+# Metrics a card's results table and model index show (``eval_<name>`` and ``test_<name>``; run_clm's validation
+# perplexity is ``perplexity``)
 CARD_METRICS = ("loss", "perplexity", "accuracy", "leak_free_loss", "leak_free_perplexity")
 
 
@@ -691,19 +839,28 @@ def ega_variant(config) -> str:
     return "custom"
 
 
+def card_family(model) -> str | None:
+    """The model card of ``model_cards/`` a trained ``model`` gets: ``ega_gpt`` or ``chiar_former`` for a whole model
+    of those families, ``energy_gated`` for a model with added energy gates (whole or as a PEFT adapter), else None
+    (Trainer's card)."""
+    inner = base_model(model)
+    if inner.config.model_type in ("ega_gpt", "chiar_former"):
+        return inner.config.model_type if model is inner else None
+    return "energy_gated" if has_energy_gates(inner) else None
+
+
 def write_model_card(trainer, model_args, data_args, metrics: dict, *, script: str, task: str,
-                     tokenizer, routing_callback=None) -> None:
+                     tokenizer, log_callback=None) -> None:
     """README.md of ``output_dir`` (and of the Hub repository with --push_to_hub): the family card of
-    ``model_cards/`` for a whole EGA-GPT or CHIAR-Former, with this model's section; Trainer's card otherwise (PEFT
-    adapters, retrofitted and other models)."""
+    ``model_cards/`` (`card_family`) with this model's section; Trainer's card for other models."""
     training_args = trainer.args
-    dataset = data_args.dataset_name or os.path.basename(data_args.train_file or data_args.validation_file)
+    dataset = data_args.dataset_name or os.path.basename(data_args.train_file or data_args.validation_file
+                                                         or data_args.test_file)
     kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": task, "dataset": dataset}
     if data_args.dataset_config_name:
         kwargs["dataset_args"] = data_args.dataset_config_name
-    model = trainer.model
-    family = model.config.model_type  # the model cards of model_cards/ are ega_gpt.md and chiar_former.md
-    if family not in ("ega_gpt", "chiar_former") or model is not base_model(model):
+    family = card_family(trainer.model)
+    if family is None:
         if training_args.push_to_hub:
             trainer.push_to_hub(**kwargs)
         else:
@@ -714,36 +871,42 @@ def write_model_card(trainer, model_args, data_args, metrics: dict, *, script: s
     if not trainer.is_world_process_zero():
         return
     card = family_card(family, trainer, model_args, data_args, dataset, metrics, script, task, tokenizer,
-                       routing_callback)
+                       log_callback.step_seconds if log_callback else [])
     card.save(os.path.join(training_args.output_dir, "README.md"))
     if training_args.push_to_hub:
         card.push_to_hub(trainer.hub_model_id, token=training_args.hub_token)
 
 
 def family_card(family: str, trainer, model_args, data_args, dataset: str, metrics: dict, script: str, task: str,
-                tokenizer, routing_callback):
+                tokenizer, step_seconds: list):
     from huggingface_hub import ModelCardData
 
     from ..results import current_command, hardware_summary
     from .model_card import eval_results, render_model_card
 
     args, model = trainer.args, trainer.model
-    config = model.config
+    config = base_model(model).config
     model_name = (args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))).split("/")[-1]
-    rows = [(key, "validation", key.removeprefix("eval_"), value) for key, value in metrics.items()
-            if key.removeprefix("eval_") in CARD_METRICS and (key.startswith("eval_") or key == "perplexity")]
+    rows = []  # (metric name, split, metric type, value)
+    for key, value in metrics.items():
+        for prefix, split in (("eval_", "validation"), ("test_", "test"), ("", "validation")):
+            if key.startswith(prefix) and key.removeprefix(prefix) in CARD_METRICS:
+                rows.append((key, split, key.removeprefix(prefix), value))
+                break
     table = "| metric | value |\n|---|---|\n" + "".join(f"| {name} | {value:.4f} |\n" for name, _, _, value in rows)
     card_data = ModelCardData(
         model_name=model_name, pipeline_tag=task, datasets=[data_args.dataset_name] if data_args.dataset_name else None,
+        library_name="peft" if model is not base_model(model) else None,  # PEFT's loader reads an adapter's card
         eval_results=eval_results(rows, task_type=task, dataset_id=dataset, dataset_name=dataset),
     )
     hardware = hardware_summary()
     origin = (f"fine-tuned from `{model_args.model_name_or_path}`" if model_args.model_name_or_path
               else "trained from scratch")
+    kind = {"chiar_former": "A CHIAR-Former", "ega_gpt": "An EGA-GPT"}.get(family,
+                                                                      f"A `{type(base_model(model)).__name__}`")
     common = {
         "model_name": model_name, "recipe": script, "command": current_command(), "seed": args.seed,
-        "summary": f"{'A CHIAR-Former' if family == 'chiar_former' else 'An EGA-GPT'} {origin} on {dataset} with the "
-                   f"hf_spectral script `{script}` (transformers' `Trainer`).",
+        "summary": f"{kind} {origin} on {dataset} with the hf_spectral script `{script}` (transformers' `Trainer`).",
         "num_parameters": f"{sum(p.numel() for p in model.parameters()):,}",
         "tokenizer_description": f"`{type(tokenizer).__name__}`, {len(tokenizer)} ids",
         "dataset_description": dataset,
@@ -753,8 +916,22 @@ def family_card(family: str, trainer, model_args, data_args, dataset: str, metri
                      f"{args.weight_decay}, {getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type)} "
                      "schedule"),
         "hardware": f"{hardware.get('cuda') or hardware.get('cpu_model') or hardware.get('processor')}",
+        "wall_time": f"{metrics['train_runtime']:.1f} s of training" if "train_runtime" in metrics else "n/a",
         "results_table": table, "results_notes": "", "repo_id": args.hub_model_id or args.output_dir,
     }
+    if family == "energy_gated":
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        gates = sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and ".energy_gate." in name)
+        adapter = model is not base_model(model)
+        return render_model_card(
+            "energy_gated", card_data, **common, adapter=adapter,
+            size=f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads, width {config.hidden_size}",
+            trained_description=("LoRA adapters and the energy gates" if adapter else "only the energy gates"
+                                 if trainable == gates else "every weight and the energy gates"),
+            trainable_parameters=f"{trainable:,}",
+            total_parameters=f"{sum(p.numel() for n, p in model.named_parameters() if 'original_module' not in n):,}",
+            gate_config=json.dumps(config.energy_gates),
+        )
     if family == "ega_gpt":
         variant = ega_variant(config)
         return render_model_card(
@@ -765,9 +942,7 @@ def family_card(family: str, trainer, model_args, data_args, dataset: str, metri
             size=(f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads, C = {config.hidden_size}, "
                   f"context {config.max_position_embeddings}"),
             gate_parameters=f"{sum(p.numel() for n, p in model.named_parameters() if '.energy_gate.' in n):,}",
-            wall_time=f"{metrics['train_runtime']:.1f} s of training" if "train_runtime" in metrics else "n/a",
         )
-    step_seconds = routing_callback.step_seconds if routing_callback else []
     routed = bool(config.routed_layers)
     return render_model_card(
         "chiar_former", card_data, **common,
