@@ -31,7 +31,7 @@ import sys
 from . import imdb, listops, wikitext
 from .common import chiar
 from .common.cli import ArgumentParser, non_negative_int, program_name, run_main
-from .common.experiments import add_size_arguments, driver_parser, execute, parse
+from .common.experiments import add_size_arguments, driver_parser, parse, train_and_report
 
 BENCHMARKS = {"wikitext": wikitext, "listops": listops, "imdb": imdb}
 WIKITEXT_ARMS = ("attention", "threshold", "hard", "3op", "threshold@all", "hard@all", "3op@all", "dct")
@@ -89,23 +89,12 @@ def run(argv, prog: str) -> int:
             BENCHMARKS[benchmark].prepare_data(data[benchmark], BENCHMARKS[benchmark].data_files(data[benchmark]))
         if args.prepare_data:
             return 0
-    if args.dry_run or not args.aggregate_only:
-        complete = execute(args, order, os.path.join(output_dir, "logs"))
-        if args.dry_run:
-            return 0
-        if not complete:
-            return 1
-    written = True
-    for benchmark, made in runs.items():
-        missing = [one.name for one in made.values() if not one.complete]
-        if missing:
-            print(f"{benchmark}: {len(missing)} run(s) not complete ({', '.join(missing)}); no table written")
-            written = False
-            continue
+    def write_table(benchmark: str, made: dict) -> None:
         chiar.write_report(benchmark, made, results_dir, benchmark,
                            f"CHIAR-Former reproduction, {chiar.TASKS[benchmark][0]}, {args.preset} preset")
         print(f"{benchmark}: {results_dir}/{benchmark}.{{json,md}}")
-    return 0 if written else 1
+
+    return train_and_report(args, order, runs, output_dir, write_table)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from . import ptb_char, tinyshakespeare
 from .common import ega
 from .common.cli import UsageError, program_name, run_main
-from .common.experiments import driver_parser, execute, parse
+from .common.experiments import driver_parser, parse, train_and_report
 
 BENCHMARKS = {"tinyshakespeare": tinyshakespeare, "ptb_char": ptb_char}
 MAIN_VARIANTS = ("BASE", "EGA-1:causal", "EGA-1:window")
@@ -82,23 +82,12 @@ def run(argv, prog: str) -> int:
             BENCHMARKS[benchmark].prepare_data(SimpleNamespace(data_path=None, no_download=False), files)
         if args.prepare_data:
             return 0
-    if args.dry_run or not args.aggregate_only:
-        complete = execute(args, order, os.path.join(output_dir, "logs"))
-        if args.dry_run:
-            return 0
-        if not complete:
-            return 1
-    written = True
-    for benchmark, made in runs.items():
-        missing = [one.name for one in made.values() if not one.complete]
-        if missing:
-            print(f"{benchmark}: {len(missing)} run(s) not complete ({', '.join(missing)}); no table written")
-            written = False
-            continue
+    def write_table(benchmark: str, made: dict) -> None:
         ega.write_report(benchmark, made, results_dir, benchmark,
                          f"EGA reproduction, {ega.TITLES[benchmark]}, {preset} preset")
         print(f"{benchmark}: {results_dir}/{benchmark}.{{json,md}}")
-    return 0 if written else 1
+
+    return train_and_report(args, order, runs, output_dir, write_table)
 
 
 if __name__ == "__main__":

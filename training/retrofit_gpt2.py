@@ -32,7 +32,8 @@ from types import SimpleNamespace
 from . import tinyshakespeare, wikitext
 from .common.cli import program_name, run_main
 from .common.data import read_text
-from .common.experiments import Run, config, driver_parser, execute, mean_std, parse, pm, read_run, script_options
+from .common.experiments import (Run, config, driver_parser, execute, mean_std, parse, pm, read_run, script_options,
+                                 table_without_provenance)
 
 ARMS = ("full", "gates", "lora", "gates+lora", "gates+full")
 LEARNING_RATES = {"lora": 1e-3, "gates": 1e-2}
@@ -190,8 +191,7 @@ def run(argv, prog: str) -> int:
         return 0
     results_dir = args.results_dir or args.output_dir
     write_report(pretrained, zero_shot, arms, forgetting, results_dir)
-    with open(os.path.join(results_dir, "retrofit_gpt2.md"), encoding="utf-8") as handle:
-        print(handle.read().split("## Provenance")[0])
+    print(table_without_provenance(os.path.join(results_dir, "retrofit_gpt2.md")))
     return 0
 
 

@@ -44,7 +44,7 @@ from .common.run_scripts import (
     calibrate_routing,
     check_arguments,
     check_column,
-    check_data_files,
+    check_data_arguments,
     column_names,
     first_examples,
     fixed_batches,
@@ -56,6 +56,7 @@ from .common.run_scripts import (
     parse_arguments,
     prepare_for_training,
     program_name,
+    requested_splits,
     run_main,
     save_gates_alone,
     sees_future_tokens,
@@ -97,12 +98,7 @@ class DataTrainingArguments:
     overwrite_cache: bool = field(default=False, metadata={"help": "Tokenize again instead of reading the cache."})
 
     def __post_init__(self):
-        check_data_files(self, extensions=("txt", "json", "jsonl", "csv"))
-        if not 0 < self.validation_split_percentage < 100:
-            raise ValueError(f"--validation_split_percentage must be in 1..99, got {self.validation_split_percentage}")
-        for name in ("block_size", "max_train_samples", "max_eval_samples"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+        check_data_arguments(self, extensions=("txt", "json", "jsonl", "csv"), positive=("block_size", "max_train_samples", "max_eval_samples"))
 
 
 # The argument dataclasses, in the order the options are parsed (drivers check a run's arguments against them)
@@ -125,12 +121,7 @@ def run(argv, prog: str) -> int:
     # Data: a Hub dataset or local files, with a validation split for --do_eval
     raw_datasets = load_raw_datasets(data_args, model_args, need_validation=training_args.do_eval,
                                      streaming=data_args.streaming)
-    wanted = {"train": training_args.do_train or spectral_args.train_eval_samples > 0,
-              "validation": training_args.do_eval, "test": training_args.do_predict}
-    splits = [split for split, needed in wanted.items() if needed]
-    for split, option in (("train", "--do_train or --train_eval_samples"), ("test", "--do_predict")):
-        if split in splits and split not in raw_datasets:
-            raise UsageError(f"{option} needs a {split} split (--{split}_file, or a dataset that has one)")
+    splits = requested_splits(raw_datasets, training_args, spectral_args)
     columns = column_names(raw_datasets[splits[0]])
     text_column = data_args.text_column_name or ("text" if "text" in columns else columns[0])
     for split in splits:

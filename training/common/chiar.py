@@ -25,15 +25,16 @@ from .experiments import (
     config,
     count_parameters,
     driver_parser,
-    execute,
     mean_std,
     merge_overrides,
     override_items,
     paired_delta,
     parse,
     pm,
+    prepare_and_train,
     read_run,
     script_options,
+    table_without_provenance,
 )
 
 ARMS = {
@@ -336,17 +337,12 @@ def main(benchmark: str, description: str, argv, *, default_arms: tuple, data_fi
         output_dir = args.output_dir or os.path.join("runs", f"{benchmark}-{args.preset}")
         files = data_files(args)
         runs = make_runs(benchmark, args.preset, args.arms, args.seeds or [0], output_dir, files, args, tokens)
-        if not args.dry_run:
-            prepare_data(args, files)
-            if args.prepare_data:
-                print("\n".join(f"{key}: {path}" for key, path in files.items()))
-                return 0
-        if not execute(args, list(runs.values()), os.path.join(output_dir, "logs")):
-            return 0 if args.dry_run else 1
+        code = prepare_and_train(args, list(runs.values()), output_dir, files, prepare_data)
+        if code is not None:
+            return code
         summaries = write_report(benchmark, runs, output_dir, "results",
                                  f"{TASKS[benchmark][0]}: CHIAR-Former arms ({args.preset} preset)")
-        with open(os.path.join(output_dir, "results.md"), encoding="utf-8") as handle:
-            print(handle.read().split("## Provenance")[0])
+        print(table_without_provenance(os.path.join(output_dir, "results.md")))
         primary = TASKS[benchmark][2]
         for found in summaries:
             value = found.get(primary)

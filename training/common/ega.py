@@ -21,14 +21,15 @@ from .experiments import (
     config,
     count_parameters,
     driver_parser,
-    execute,
     mean_std,
     merge_overrides,
     paired_delta,
     parse,
     pm,
+    prepare_and_train,
     read_run,
     script_options,
+    table_without_provenance,
 )
 
 VARIANTS = ("BASE", "EGA-1", "EGA-2", "EGA-4", "EGA-C", "EGA-M-F", "EGA-M", "EGA-DB2", "EGA-DB4")
@@ -306,17 +307,12 @@ def main(benchmark: str, description: str, argv, *, presets: tuple, default: str
         output_dir = args.output_dir or os.path.join("runs", f"{benchmark}-{preset}")
         files = data_files(args.data_dir)
         runs = make_runs(benchmark, preset, variants, args.seeds or [0], output_dir, files, args, tokens)
-        if not args.dry_run:
-            prepare_data(args, files)
-            if args.prepare_data:
-                print("\n".join(f"{key}: {path}" for key, path in files.items()))
-                return 0
-        if not execute(args, list(runs.values()), os.path.join(output_dir, "logs")):
-            return 0 if args.dry_run else 1
+        code = prepare_and_train(args, list(runs.values()), output_dir, files, prepare_data)
+        if code is not None:
+            return code
         summaries = write_report(benchmark, runs, output_dir, "results",
                                  f"{TITLES[benchmark]}: EGA-GPT variants ({preset} preset)")
-        with open(os.path.join(output_dir, "results.md"), encoding="utf-8") as handle:
-            print(handle.read().split("## Provenance")[0])
+        print(table_without_provenance(os.path.join(output_dir, "results.md")))
         print_losses(summaries)
         return 0
 

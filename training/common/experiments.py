@@ -282,6 +282,47 @@ def execute(args, runs: list, log_dir: str) -> bool:
     return not failed
 
 
+def prepare_and_train(args, runs: list, output_dir: str, files: dict, prepare_data) -> int | None:
+    """A benchmark's command: write the data files its runs read (``prepare_data(args, files)``; --prepare_data: only
+    that, listing them), then --dry_run or train every run. The exit code when the command ends here (data prepared,
+    dry run, a run failed), None when every run is complete and the table can be written."""
+    if not args.dry_run:
+        prepare_data(args, files)
+        if args.prepare_data:
+            print("\n".join(f"{key}: {path}" for key, path in files.items()))
+            return 0
+    if not execute(args, runs, os.path.join(output_dir, "logs")):
+        return 0 if args.dry_run else 1
+    return None
+
+
+def train_and_report(args, order: list, runs: dict, output_dir: str, write_table) -> int:
+    """A reproduction's command after its data are prepared: --dry_run, or train ``order`` (unless --aggregate_only),
+    then ``write_table(benchmark, made)`` for every benchmark of ``runs`` (benchmark -> its runs) whose runs are all
+    complete. Exit code 1 when a run failed or a table is missing."""
+    if args.dry_run or not args.aggregate_only:
+        complete = execute(args, order, os.path.join(output_dir, "logs"))
+        if args.dry_run:
+            return 0
+        if not complete:
+            return 1
+    written = True
+    for benchmark, made in runs.items():
+        missing = [one.name for one in made.values() if not one.complete]
+        if missing:
+            print(f"{benchmark}: {len(missing)} run(s) not complete ({', '.join(missing)}); no table written")
+            written = False
+            continue
+        write_table(benchmark, made)
+    return 0 if written else 1
+
+
+def table_without_provenance(path: str) -> str:
+    """A results Markdown file up to its provenance block: what a command prints when it is done."""
+    with open(path, encoding="utf-8") as handle:
+        return handle.read().split("## Provenance")[0]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Reading finished runs
 # ----------------------------------------------------------------------------------------------------------------

@@ -344,6 +344,17 @@ def setup_logging(training_args) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def check_data_arguments(data_args, extensions: tuple, positive: tuple) -> None:
+    """The data options of a script: its data (``check_data_files``), a held-out percentage in 1..99, and the
+    options named in ``positive`` positive where given."""
+    check_data_files(data_args, extensions)
+    if not 0 < data_args.validation_split_percentage < 100:
+        raise ValueError(f"--validation_split_percentage must be in 1..99, got {data_args.validation_split_percentage}")
+    for name in positive:
+        if getattr(data_args, name) is not None and getattr(data_args, name) < 1:
+            raise ValueError(f"--{name} must be positive, got {getattr(data_args, name)}")
+
+
 def check_data_files(data_args, extensions: tuple) -> None:
     """A dataset name or data files, existing, of a known extension, the same for every split."""
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
@@ -397,6 +408,19 @@ def load_raw_datasets(data_args, model_args, need_validation: bool, streaming: b
         raw["validation"] = train.select(range(held_out))
         raw["train"] = train.select(range(held_out, len(train)))
     return raw
+
+
+def requested_splits(raw_datasets, training_args, spectral_args) -> list:
+    """The splits a run reads: train (--do_train, or the training-loss evaluation of --train_eval_samples),
+    validation (--do_eval) and test (--do_predict); a train or test split that is asked for and missing is a usage
+    error (a missing validation split was held out of the training split already)."""
+    wanted = {"train": training_args.do_train or spectral_args.train_eval_samples > 0,
+              "validation": training_args.do_eval, "test": training_args.do_predict}
+    splits = [split for split, needed in wanted.items() if needed]
+    for split, option in (("train", "--do_train or --train_eval_samples"), ("test", "--do_predict")):
+        if split in splits and split not in raw_datasets:
+            raise UsageError(f"{option} needs a {split} split (--{split}_file, or a dataset that has one)")
+    return splits
 
 
 def column_names(dataset) -> list:
