@@ -2,12 +2,14 @@
 a run's overrides, the options passed on to every run, a run folder reused, resumed or refused."""
 
 import json
+import math
 
 import pytest
 
 from training.common.cli import UsageError
 from training.common.experiments import (
     Run,
+    count_parameters,
     driver_parser,
     merge_overrides,
     override_items,
@@ -26,6 +28,32 @@ def test_config_overrides_are_merged_keeping_json_lists_whole():
                       "is_causal=false,router_type=hard")
     with pytest.raises(UsageError, match="KEY=VALUE"):
         override_items("num_hidden_layers")
+
+
+def test_parameters_of_a_saved_run_are_the_models_not_the_tensors_of_its_weights_file(tmp_path):
+    """The weights file also holds buffers (the RBF operator's random features, a fixed Morlet filter): the tables
+    count parameters, a tied embedding once."""
+    from safetensors import safe_open
+
+    from hf_spectral import ChiarConfig, ChiarForCausalLM, EGAConfig, EGAForCausalLM
+
+    chiar = ChiarForCausalLM(ChiarConfig(vocab_size=40, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                                         intermediate_size=32, max_position_embeddings=32, rbf_num_features=8,
+                                         layer_operators=["dct", "routed", "attention"],
+                                         routed_operators=["dct", "rbf", "attention"]))
+    ega = EGAForCausalLM(EGAConfig.from_variant("EGA-M-F", vocab_size=40, hidden_size=16, num_hidden_layers=2,
+                                                num_attention_heads=2, max_position_embeddings=32))
+    for name, model in (("chiar", chiar), ("ega", ega)):
+        model.save_pretrained(tmp_path / name)
+        with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as weights:
+            stored = sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys())
+        assert model.state_dict().keys() - dict(model.named_parameters()).keys()  # buffers are saved too
+        assert count_parameters(str(tmp_path / name)) == sum(p.numel() for p in model.parameters()) < stored
+    gates = count_parameters(str(tmp_path / "ega"), lambda name: ".energy_gate." in name)
+    assert gates == sum(p.numel() for n, p in ega.named_parameters() if ".energy_gate." in n) > 0
+    (tmp_path / "ega" / "config.json").write_text(json.dumps({"model_type": "ega_gpt", "architectures": ["Nope"]}))
+    with pytest.raises(ValueError, match="Nope"):
+        count_parameters(str(tmp_path / "ega"))
 
 
 def test_options_for_every_run_are_typed_by_the_scripts_parser():

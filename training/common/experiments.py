@@ -344,18 +344,23 @@ def read_run(folder: str) -> dict:
 
 
 def count_parameters(folder: str, keep=lambda name: True) -> int:
-    """Parameters in the weights a run saved (``model*.safetensors``), those whose names ``keep`` accepts."""
-    from safetensors import safe_open
+    """Parameters of the model a run saved, those whose names ``keep`` accepts, a tied weight once. Counted on the
+    model its configuration builds (on the meta device, nothing allocated), not in its weights file, which also holds
+    the buffers: an RBF operator's random features, a fixed wavelet's filter."""
+    import torch
+    import transformers
 
-    total = 0
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("model") and name.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, name), "pt") as weights:
-                for key in weights.keys():
-                    if keep(key):
-                        shape = weights.get_slice(key).get_shape()
-                        total += math.prod(shape)
-    return total
+    import hf_spectral
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    architecture = (config.architectures or [""])[0]
+    model_class = getattr(hf_spectral, architecture, None) or getattr(transformers, architecture, None)
+    if model_class is None:
+        raise ValueError(f"{folder}: config.json names no model class hf_spectral or transformers has "
+                         f"(architectures: {config.architectures})")
+    with torch.device("meta"):
+        model = model_class(config)
+    return sum(parameter.numel() for name, parameter in model.named_parameters() if keep(name))
 
 
 def mean_std(values: list) -> tuple:
