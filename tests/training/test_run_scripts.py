@@ -9,7 +9,14 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 from hf_spectral import EGAConfig, EGAForCausalLM
-from training.common.run_scripts import SpectralArguments, SpectralTrainer, gate_values, parse_config_overrides
+from training.common.run_scripts import (
+    ModelArguments,
+    SpectralArguments,
+    SpectralTrainer,
+    build_tokenizer,
+    gate_values,
+    parse_config_overrides,
+)
 
 
 def ega_model():
@@ -75,6 +82,17 @@ def test_save_model_gives_the_model_files_the_umasks_modes_and_leaves_the_folder
     modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in folder.iterdir()}
     assert modes.pop("private_notes.txt") == 0o600
     assert modes["model.safetensors"] == 0o644 and modes == dict.fromkeys(modes, 0o644), modes
+
+
+def test_the_char_tokenizer_reads_a_literal_unk_in_the_text_as_characters(tmp_path):
+    """Penn Treebank writes unknown words as the text "<unk>": a character-level benchmark predicts its five
+    characters, as the literature counts them; a character never seen in training is the unknown-token id."""
+    tokenizer = build_tokenizer(ModelArguments(model_type="gpt2", tokenizer_name="char"), ["the_<unk>_rose\n"])
+    ids = tokenizer("a_<unk>_z")["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids) == ["<unk>", "_", "<", "u", "n", "k", ">", "_", "<unk>"]
+    assert ids[0] == ids[-1] == tokenizer.unk_token_id not in ids[1:-1]
+    tokenizer.save_pretrained(tmp_path)
+    assert type(tokenizer).from_pretrained(tmp_path)("<unk>")["input_ids"] == ids[2:7]
 
 
 def test_config_overrides_read_null_as_none():

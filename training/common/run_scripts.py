@@ -526,7 +526,10 @@ def build_tokenizer(model_args, train_texts=None, pad_token: str | None = None):
             raise UsageError("--tokenizer_name char: the training split holds no text")
         folder = tempfile.mkdtemp(prefix="char-tokenizer-")  # read at once; the tokenizer is saved with the model
         try:
-            return CharTokenizer.from_text("".join(sorted(characters)), folder, unk_token="<unk>", pad_token=pad_token)
+            # split_special_tokens: a literal "<unk>" in the text (Penn Treebank has thousands) is five characters,
+            # not the tokenizer's unknown-token id
+            return CharTokenizer.from_text("".join(sorted(characters)), folder, unk_token="<unk>", pad_token=pad_token,
+                                           split_special_tokens=True)
         finally:
             shutil.rmtree(folder)
     if name is None:
