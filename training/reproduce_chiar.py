@@ -89,6 +89,7 @@ def run(argv, prog: str) -> int:
             BENCHMARKS[benchmark].prepare_data(data[benchmark], BENCHMARKS[benchmark].data_files(data[benchmark]))
         if args.prepare_data:
             return 0
+
     def write_table(benchmark: str, made: dict) -> None:
         chiar.write_report(benchmark, made, results_dir, benchmark,
                            f"CHIAR-Former reproduction, {chiar.TASKS[benchmark][0]}, {args.preset} preset")

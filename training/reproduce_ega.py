@@ -82,6 +82,7 @@ def run(argv, prog: str) -> int:
             BENCHMARKS[benchmark].prepare_data(SimpleNamespace(data_path=None, no_download=False), files)
         if args.prepare_data:
             return 0
+
     def write_table(benchmark: str, made: dict) -> None:
         ega.write_report(benchmark, made, results_dir, benchmark,
                          f"EGA reproduction, {ega.TITLES[benchmark]}, {preset} preset")
