@@ -3,12 +3,17 @@ run_clm per variant and seed with the configuration training/configs/ptb_char_<p
 
     python -m training.ptb_char --preset cpu --seeds 0 1 2
     python -m training.ptb_char --preset authors --variants BASE EGA-1 --bf16 --do_predict   # with the test loss
+    python -m training.ptb_char --preset cpu_padding_free --seeds 0 1 2   # each sentence a document (--padding_free)
     hf-spectral train ptb_char --help
 
 Splits: the benchmark's train / valid / test files, each sentence's characters on a line with the words joined by
 "_" (e.g. "pierre_<unk>_N_years_old_..."), as in the char-level PTB literature, written to <data_dir>/ptb_char/.
 If only the word-level files are present (or downloaded), the character files are derived from them with the
 published rule (byte-exact, data/ptb/SOURCE.md).
+
+The cpu_padding_free preset is the cpu preset with run_clm's --padding_free: each sentence (a line) is a document
+of its own, never concatenated with the next, and each batch of 16 sentences is flattened into one row with positions
+restarting at every sentence (results/ega_padding_free/ puts it beside the cpu preset's concatenated blocks).
 """
 
 import os
@@ -63,7 +68,7 @@ def prepare_data(args, files: dict) -> None:
 
 
 def main(argv=None) -> int:
-    return ega.main("ptb_char", __doc__, argv, presets=("cpu", "authors", "smoke"), default="cpu",
+    return ega.main("ptb_char", __doc__, argv, presets=("cpu", "cpu_padding_free", "authors", "smoke"), default="cpu",
                     data_files=data_files, prepare_data=prepare_data)
 
 

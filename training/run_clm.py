@@ -14,7 +14,9 @@ hf_spectral's additions: energy gates on a GPT-2 / Llama / Mistral / Qwen2 model
 --train_only_gates), LoRA (--lora_r; added gates train beside it and are saved in the adapter), CHIAR-Former's
 threshold calibration before training and its routing fractions and FLOPs in the training logs.
 Data: --dataset_name (the Hub, through `datasets`) or --train_file / --validation_file (.txt, .json, .jsonl,
-.csv), tokenized and cut into blocks of --block_size tokens; --streaming reads the data as it trains.
+.csv), tokenized and cut into blocks of --block_size tokens (concatenated across documents, as transformers'
+run_clm does), or with --padding_free each document apart, its batches flattened into one row by transformers'
+DataCollatorWithFlattening (positions restarting at each document); --streaming reads the data as it trains.
 Output in --output_dir, as run_clm writes it: the model (or the adapter) and tokenizer, train_results.json,
 eval_results.json (with perplexity), all_results.json, trainer_state.json, README.md (the model card).
 Everything else is a TrainingArguments option: --do_train, --do_eval, --max_steps, --resume_from_checkpoint,
@@ -29,7 +31,13 @@ import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
-from transformers import AutoModelForCausalLM, TrainingArguments, default_data_collator, set_seed
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    TrainingArguments,
+    default_data_collator,
+    set_seed,
+)
 
 from .common.run_scripts import (
     ModelArguments,
@@ -83,7 +91,16 @@ class DataTrainingArguments:
     block_size: int | None = field(
         default=None,
         metadata={"help": "Tokens per training block: the text is tokenized, concatenated and cut into blocks of this "
-                  "length (default: the model's context, at most 1024)."},
+                  "length (default: the model's context, at most 1024). With --padding_free: the longest piece of a "
+                  "document."},
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Keep documents apart instead of concatenating them into blocks (TRL's padding_free): each "
+                  "example of the data (a line of a .txt file, a row of a .json or .csv file) is a document, cut into "
+                  "pieces of at most --block_size tokens, and each batch of --per_device_*_batch_size pieces is "
+                  "flattened into one row by transformers' DataCollatorWithFlattening: position ids restart at every "
+                  "document and no token attends across a boundary. Documents of fewer than two tokens are dropped."},
     )
     streaming: bool = field(
         default=False, metadata={"help": "Read the data as a stream while training (big corpora; needs --max_steps)."}
@@ -161,6 +178,11 @@ def run(argv, prog: str) -> int:
         result["labels"] = result["input_ids"].copy()
         return result
 
+    def split_documents(examples):  # --padding_free: each document apart, in pieces of at most block_size tokens
+        pieces = [ids[i:i + block_size] for ids in examples["input_ids"] for i in range(0, len(ids), block_size)]
+        pieces = [piece for piece in pieces if len(piece) > 1]  # a piece of one token predicts nothing
+        return {"input_ids": pieces, "labels": [list(piece) for piece in pieces]}
+
     lm_datasets = {}
     with training_args.main_process_first(desc="tokenizing and grouping the text into blocks"):
         for split in splits:
@@ -168,13 +190,21 @@ def run(argv, prog: str) -> int:
                 "num_proc": data_args.preprocessing_num_workers, "load_from_cache_file": not data_args.overwrite_cache}
             tokenized = raw_datasets[split].map(tokenize, batched=True,
                                                 remove_columns=column_names(raw_datasets[split]), **options)
-            lm_datasets[split] = tokenized.map(group_texts, batched=True, **options)
+            if data_args.padding_free:
+                lm_datasets[split] = tokenized.map(split_documents, batched=True,
+                                                   remove_columns=column_names(tokenized), **options)
+            else:
+                lm_datasets[split] = tokenized.map(group_texts, batched=True, **options)
     train_dataset = first_examples(lm_datasets.get("train"), data_args.max_train_samples)
     eval_dataset = first_examples(lm_datasets.get("validation"), data_args.max_eval_samples)
     test_dataset = first_examples(lm_datasets.get("test"), data_args.max_eval_samples)
     for split, dataset in (("training", train_dataset), ("validation", eval_dataset), ("test", test_dataset)):
         if dataset is not None and not data_args.streaming and len(dataset) == 0:
+            if data_args.padding_free:
+                raise UsageError(f"the {split} text has no document of two tokens or more (--padding_free)")
             raise UsageError(f"the {split} text is shorter than one block of {block_size} tokens (--block_size)")
+    # Blocks of one length stack into a batch; documents apart are flattened into one row, positions restarting
+    collator = DataCollatorWithFlattening() if data_args.padding_free else default_data_collator
 
     # Next-token accuracy, as run_clm (a local evaluate module: works offline)
     accuracy = load_metric("accuracy")
@@ -191,7 +221,7 @@ def run(argv, prog: str) -> int:
     if gate_values(model) or is_chiar(model):
         routing = None
         if is_chiar(model) and train_dataset is not None:
-            routing = fixed_batches(train_dataset, default_data_collator, spectral_args.calibration_batches,
+            routing = fixed_batches(train_dataset, collator, spectral_args.calibration_batches,
                                     training_args.per_device_train_batch_size)
         log_callback = TrainingLogCallback(routing)
     prepare_for_training(model, training_args)
@@ -204,7 +234,7 @@ def run(argv, prog: str) -> int:
         train_dataset=train_dataset if training_args.do_train else None,
         eval_dataset=first_examples(eval_dataset, spectral_args.eval_samples_during_training),
         processing_class=tokenizer,
-        data_collator=default_data_collator,
+        data_collator=collator,
         compute_metrics=compute_metrics if evaluating else None,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics if evaluating else None,
         callbacks=[log_callback] if log_callback else None,
@@ -240,8 +270,10 @@ def run(argv, prog: str) -> int:
         if batches is None:
             batches = 4 if sees_future_tokens(model.config) else 0
         if batches:
-            batches = fixed_batches(eval_dataset, default_data_collator, batches,
-                                    training_args.per_device_eval_batch_size)
+            # Cached decoding scores one sequence a row: documents apart are scored one at a time
+            per_batch = 1 if data_args.padding_free else training_args.per_device_eval_batch_size
+            rows = batches * training_args.per_device_eval_batch_size
+            batches = fixed_batches(eval_dataset, default_data_collator, rows // per_batch, per_batch)
             metrics.update({f"eval_{key}": value for key, value in leak_free_metrics(trainer.model, batches).items()})
         if spectral_args.train_eval_samples:
             scored = first_examples(train_dataset, spectral_args.train_eval_samples)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .packing import document_cumsum, document_starts, document_totals
 from .positions import host_reads_are_free, padding_of_causal_mask
 from .precision import as_dtype, at_least_float32
 
@@ -59,6 +60,7 @@ def causal_zscore(
     weight: torch.Tensor | None = None,
     past: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     eps: float = 1e-5,
+    document_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal z-scores from running moments: position j uses the mean and unbiased std of the valid energies at
     positions ≤ j (z = 0 while fewer than two were seen, and at padding).
@@ -74,11 +76,17 @@ def causal_zscore(
         past: ``(count (B, H, 1, 1), mean (B, H, S, 1), m2 (B, H, S, 1))`` after all earlier positions (what
             this function returned at the last of them), or ``None`` at the start of a sequence.
         eps: lower bound on the standard deviation.
+        document_positions: (B, T) index of each position in its own document of a packed row
+            (``packing.py``): the moments restart at every document. Packed rows have no padding and no past.
 
     Returns:
         z (B, H, S, T), and the running count (B, H, 1, T), mean and M2 (B, H, S, T) at each position — the state
         a later step continues from. All float32.
     """
+    if document_positions is not None:
+        if weight is not None or past is not None:
+            raise ValueError("the statistics of packed documents take no padding weights and no cached past")
+        return _document_causal_zscore(energy, document_positions, eps)
     length = energy.shape[-1]
     past_count, past_mean, past_m2 = past if past is not None else (None, None, None)
     if past is not None and length == 1 and weight is None:  # a decoding step after tokens: Welford's update
@@ -113,9 +121,37 @@ def causal_zscore(
     return z, count.expand(*energy.shape[:2], 1, length), mean, m2
 
 
-def window_zscore(energy: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+def _document_causal_zscore(energy: torch.Tensor, document_positions: torch.Tensor, eps: float):
+    """`causal_zscore` of packed rows, the moments restarting at every document: each document shifted by its own
+    first energy, its running sums taken from the row's (``packing.document_cumsum``)."""
+    length = energy.shape[-1]
+    starts = document_starts(document_positions)[:, None, None, :]
+    shift = energy.gather(-1, starts.expand(energy.shape))  # the first energy of each position's document
+    x = energy - shift
+    count = (document_positions + 1)[:, None, None, :].to(energy.dtype)
+    s1, s2 = document_cumsum(x, document_positions), document_cumsum(x.square(), document_positions)
+    running_mean = s1 / count
+    m2 = torch.addcmul(s2, s1, running_mean, value=-1).clamp(min=0)
+    std = (m2 / (count - 1).clamp(min=1)).clamp(min=eps * eps).sqrt()
+    return (x - running_mean) / std, count.expand(*energy.shape[:2], 1, length), shift + running_mean, m2
+
+
+def window_zscore(
+    energy: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    document_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The authors' statistics: every position uses the mean and unbiased std of all valid positions of its row
-    (which sees the future). energy (B, H, S, T) float32, weight (B, 1, 1, T) or ``None``; returns z, 0 at padding."""
+    (which sees the future). energy (B, H, S, T) float32, weight (B, 1, 1, T) or ``None``; returns z, 0 at padding.
+    ``document_positions`` (B, T) (packed rows, no padding): the window of a position is its own document."""
+    if document_positions is not None:
+        if weight is not None:
+            raise ValueError("the statistics of packed documents take no padding weights")
+        count = document_totals(torch.ones_like(energy[:, :1, :1]), document_positions)
+        mean = document_totals(energy, document_positions) / count
+        variance = document_totals((energy - mean).square(), document_positions) / (count - 1).clamp(min=1)
+        return (energy - mean) / variance.clamp(min=eps * eps).sqrt() * (count >= 2)
     if weight is None:
         weight = energy.new_ones(1, 1, 1, energy.shape[-1])
     count = weight.sum(-1, keepdim=True)
@@ -130,18 +166,23 @@ def token_weight(valid: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def normalize_energy(
-    energy: torch.Tensor, valid: torch.Tensor | None = None, mode: str = "causal", eps: float = 1e-5
+    energy: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    mode: str = "causal",
+    eps: float = 1e-5,
+    document_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """z-normalise energies (B, H, S, T) along time, ignoring padding (``valid`` (B, T) bool, False at padding).
 
     ``mode``: ``"causal"`` (``causal_zscore``: no later token can change a position), ``"window"``
     (``window_zscore``: sees the future) or ``"none"`` (energies unchanged). Returns float32, 0 at padding.
+    ``document_positions`` (B, T): packed rows, each document normalised on its own.
     """
     energy, weight = at_least_float32(energy), token_weight(valid)
     if mode == "causal":
-        return causal_zscore(energy, weight, eps=eps)[0]
+        return causal_zscore(energy, weight, eps=eps, document_positions=document_positions)[0]
     if mode == "window":
-        return window_zscore(energy, weight, eps)
+        return window_zscore(energy, weight, eps, document_positions)
     if mode == "none":
         return energy if weight is None else energy * weight
     raise ValueError(f"unknown energy normalisation {mode!r}; expected one of {NORMALIZATIONS}")
@@ -248,17 +289,26 @@ def padding_mask(mask, length: int | torch.Tensor | None = None) -> torch.Tensor
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def causal_filter(signal: torch.Tensor, kernels: torch.Tensor) -> torch.Tensor:
+def causal_filter(
+    signal: torch.Tensor, kernels: torch.Tensor, document_positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """One-sided causal filtering: out[..., c, t] = Σ_u kernels[c, u] · signal[..., t − u] (zero before t = 0).
 
     Args:
         signal: (B, T) one scalar per position.
         kernels: (K, L) filter taps, tap u applied at lag u.
+        document_positions: (B, T) index of each position in its document of a packed row, or ``None``: the
+            filters then read no lag u > document_positions[t] (zero before each document, as before t = 0).
 
     Returns:
         (B, K, T).
     """
     length = kernels.shape[-1]
+    if document_positions is not None:
+        windows = F.pad(signal, (length - 1, 0)).unfold(-1, length, 1)  # (B, T, L): column j is lag L − 1 − j
+        lags = torch.arange(length - 1, -1, -1, device=signal.device)
+        windows = windows * (lags <= document_positions[..., None]).to(signal.dtype)
+        return torch.einsum("btl,kl->bkt", windows, kernels.flip(-1).to(signal.dtype))
     padded = F.pad(signal[:, None, :], (length - 1, 0))
     return F.conv1d(padded, kernels.flip(-1)[:, None, :].to(signal.dtype))
 
@@ -316,7 +366,7 @@ class LinearEnergy(nn.Module):
         self.num_heads, self.num_scales = num_heads, projections
         self.proj = nn.Linear(hidden_size, num_heads * projections)
 
-    def forward(self, x, past_features=None):
+    def forward(self, x, past_features=None, document_positions=None):
         return self.arrange(self.proj(x))
 
     def arrange(self, projected):
@@ -352,13 +402,30 @@ class ConvEnergy(_WindowedEnergy):
         self.feature_width = hidden_size // num_heads  # each head stores its slice of x
         self.convs = nn.ModuleList(nn.Conv1d(hidden_size, 2 * num_heads, k) for k in kernel_sizes)
 
-    def forward(self, x, past_features=None):
+    def forward(self, x, past_features=None, document_positions=None):
+        if document_positions is not None:
+            return self._documents_forward(x, document_positions)
         full, offset = self._with_history(x, past_features)
         batch = x.shape[0]
         energies = []
         for kernel, conv in zip(self.kernel_sizes, self.convs):
             out = conv(F.pad(full.transpose(1, 2), (kernel - 1, 0)))[..., offset:]
             energies.append(out.view(batch, self.num_heads, 2, -1).square().sum(2))
+        return torch.stack(energies, dim=2)
+
+    def _documents_forward(self, x, document_positions):
+        """The convolutions of packed rows: a position reads no lag past its document's start. One product per tap
+        (the convolution's own arithmetic, lag by lag), each masked where it would read the previous document."""
+        batch, length, _ = x.shape
+        energies = []
+        for kernel, conv in zip(self.kernel_sizes, self.convs):
+            out = 0.0 if conv.bias is None else conv.bias
+            for lag in range(kernel):
+                earlier = F.pad(x, (0, 0, lag, 0))[:, :length]  # x[t − lag], zero before the row
+                term = F.linear(earlier, conv.weight[:, :, kernel - 1 - lag])
+                out = out + term * (lag <= document_positions)[..., None].to(term.dtype)
+            out = out.transpose(1, 2).reshape(batch, self.num_heads, 2, length)
+            energies.append(out.square().sum(2))
         return torch.stack(energies, dim=2)
 
     def features(self, x):
@@ -373,10 +440,10 @@ class _SignalEnergy(_WindowedEnergy):
 
     feature_width = 1
 
-    def forward(self, x, past_features=None):
+    def forward(self, x, past_features=None, document_positions=None):
         signal, offset = self._with_history(x.mean(-1), past_features)
         kernels = self.kernels()
-        responses = causal_filter(signal, kernels.flatten(0, -2))[..., offset:]
+        responses = causal_filter(signal, kernels.flatten(0, -2), document_positions)[..., offset:]
         return self.energy_from(responses.view(x.shape[0], *kernels.shape[:-1], -1))
 
     def features(self, x):
@@ -523,6 +590,7 @@ class EnergyGate(nn.Module):
         past_state: torch.Tensor | None = None,
         past_features: torch.Tensor | None = None,
         return_state: bool = False,
+        document_positions: torch.Tensor | None = None,
     ):
         """Gate the keys of ``x``.
 
@@ -535,6 +603,9 @@ class EnergyGate(nn.Module):
                 before the first key. Positions before the first key may be read as zeros (a ``StaticCache``, whose
                 length stays on the device): a count of 0, silence for the filters, False in ``valid``.
             return_state: also return the per-key state and features of the new positions, for the cache.
+            document_positions: (B, T) index of each position in its own document of a packed row
+                (``packing.py``), or ``None``: statistics and filters then restart at every document. Packed rows
+                have no padding and no past.
 
         Returns:
             bias: (B, H, T) float32; with ``window`` normalisation and a past, (B, H, T_past + T), because
@@ -551,10 +622,13 @@ class EnergyGate(nn.Module):
                 f"the padding mask covers {valid.shape[-1]} positions but the gate sees {past_length + length} "
                 f"({past_length} cached + {length} new)"
             )
+        if document_positions is not None and (valid is not None or past is not None):
+            raise ValueError("packed documents come without padding and without a cached past")
         new_valid = None if valid is None else valid[:, past_length:]
         if self.energy.history and new_valid is not None:  # padding reads as silence: left padding changes nothing
             x = x * new_valid[:, :, None].to(x.dtype)
-        energy = at_least_float32(self.energy(x, past_features if self.energy.feature_width else None))
+        features = past_features if self.energy.feature_width else None
+        energy = at_least_float32(self.energy(x, features, document_positions))
         weight = token_weight(new_valid)
 
         state = None
@@ -563,14 +637,14 @@ class EnergyGate(nn.Module):
             if past_state is not None:  # (count, mean, M2) at the last cached key, each (B, H, ·, 1)
                 last = past_state[:, :, -1:, :].transpose(2, 3)
                 moments = last.split([1, self.num_scales, self.num_scales], dim=2)
-            z, count, mean, m2 = causal_zscore(energy, weight, moments, self.eps)
+            z, count, mean, m2 = causal_zscore(energy, weight, moments, self.eps, document_positions)
             state = torch.cat([count, mean, m2], dim=2) if return_state else None
         elif self.normalization == "window":
             state = energy
             if past_state is not None:  # every key is normalised again over the grown window
                 energy = torch.cat([past_state.transpose(2, 3).to(energy.dtype), energy], -1)
                 weight = token_weight(valid)
-            z = window_zscore(energy, weight, self.eps)
+            z = window_zscore(energy, weight, self.eps, document_positions)
         else:
             z = energy if weight is None else energy * weight
         bias, gate = log_gate_bias(z, self.tau, self.alpha, self.mix_logits)

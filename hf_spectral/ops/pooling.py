@@ -12,6 +12,7 @@ from torch import nn
 
 from transformers.utils import is_torch_greater_or_equal, logging
 
+from .packing import check_not_packed, packed_document_positions
 from .positions import padding_of_causal_mask, token_positions
 
 logger = logging.get_logger(__name__)
@@ -35,6 +36,16 @@ def pool_weighted(hidden: torch.Tensor, mask: torch.Tensor, weights: torch.Tenso
     weights = weights * mask.to(weights.dtype)
     norm = weights.abs().sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
     return torch.einsum("bt,btc->bc", (weights / norm).to(hidden.dtype), hidden)
+
+
+def refuse_packed_rows(model_name: str, input_ids, inputs_embeds, attention_mask, position_ids, kwargs: dict) -> None:
+    """A classification head pools one vector per row: refuse packed rows (several documents a row, ``packing.py``),
+    whose documents it would pool together."""
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    if tokens is None or tokens.ndim < 2:
+        return  # the model itself names what is wrong
+    documents, _ = packed_document_positions(position_ids, attention_mask, 0, tokens.shape[0], tokens.shape[1], kwargs)
+    check_not_packed(documents, model_name, "a sequence classifier pools one vector per row, not one per document")
 
 
 def classifier_attention_mask(model_name: str, input_ids, inputs_embeds, attention_mask, pad_token_id):

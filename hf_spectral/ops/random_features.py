@@ -15,6 +15,7 @@ import math
 import torch
 from torch.nn import functional as F
 
+from .packing import document_starts, wide_dtype
 from .precision import at_least_float32, full_precision
 
 RBF_VARIANTS = ("positive", "authors")
@@ -60,6 +61,7 @@ def causal_kernel_attention(
     past_state: torch.Tensor | None = None,
     chunk_size: int = 64,
     eps: float = 1e-6,
+    document_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal linear (kernel) attention with prefix sums (Katharopoulos et al. 2020):
 
@@ -70,7 +72,14 @@ def causal_kernel_attention(
     Computed chunk by chunk: the prefix sums are carried between chunks of ``chunk_size`` positions and each chunk
     adds its own masked C × C block, O(T·R·d + T·C·(R + d)) time and O(T/C · R · d) memory instead of a
     (T, R, d) tensor of running sums. Padding keys must have φ(k) = 0.
+
+    ``document_positions`` (B, T), the index of each token in its document of a packed row (``packing.py``; no
+    past): each token then reads only the earlier tokens of its own document, and the returned state is that of each
+    row's last document. A chunk's tokens of the document that began before it read that document's sums since its
+    start: the row's sums before the chunk minus those before the document's first token, in float64.
     """
+    if document_positions is not None and past_state is not None:
+        raise ValueError("packed documents have no cached past")
     batch, length, features = phi_k.shape
     width = values.shape[-1] + 1
     dtype = torch.promote_types(at_least_float32(values).dtype, phi_k.dtype)
@@ -87,13 +96,47 @@ def causal_kernel_attention(
 
     with full_precision(augmented):  # the prefix sums a cache carries over every later step stay float32
         chunk_states = phi_k.transpose(-1, -2) @ augmented  # (B, n, R, d + 1)
+        causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=phi_q.device).tril()
+        scores = phi_q @ phi_k.transpose(-1, -2)
+        if document_positions is not None:
+            return _documents_kernel_attention(
+                phi_q, phi_k, augmented, chunk_states, scores, causal, document_positions, length, eps, values.dtype
+            )
         running = torch.cumsum(chunk_states, dim=1)
         before_chunk = torch.cat([torch.zeros_like(running[:, :1]), running[:, :-1]], dim=1) + state[:, None]
-        causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=phi_q.device).tril()
-        scores = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~causal, 0.0)
-        summed = phi_q @ before_chunk + scores @ augmented
+        summed = phi_q @ before_chunk + scores.masked_fill(~causal, 0.0) @ augmented
     out = _read_out(summed.view(batch, chunks * chunk_size, width)[:, :length], eps)
     return out.to(values.dtype), state + running[:, -1]
+
+
+def _documents_kernel_attention(
+    phi_q, phi_k, augmented, chunk_states, scores, causal, document_positions, length, eps, dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_kernel_attention` of packed rows, from its chunked tensors ((B, n, C, ·), chunk states (B, n, R, W),
+    within-chunk scores (B, n, C, C)); see its docstring."""
+    batch, chunks, chunk_size, _ = phi_q.shape
+    starts = document_starts(document_positions)  # (B, T): where each token's document begins
+    # Positions past the row end (chunk padding) are documents of their own, which no token reads.
+    starts = F.pad(starts, (0, chunks * chunk_size - length), value=length).view(batch, chunks, chunk_size)
+    same_document = starts[..., :, None] == starts[..., None, :]
+    running = torch.cumsum(chunk_states.to(wide_dtype(chunk_states.device)), dim=1)
+    before_chunk = torch.cat([torch.zeros_like(running[:, :1]), running[:, :-1]], dim=1)
+
+    def sums_before(positions: torch.Tensor) -> torch.Tensor:
+        """Σ_{j < p} φ(k_j) [v_j, 1]ᵀ over the row for positions p (B, m) < T -> (B, m, R, W), float64."""
+        chunk = positions.div(chunk_size, rounding_mode="floor")
+        gathered = [t.gather(1, chunk[:, :, None, None].expand(-1, -1, *t.shape[2:])) for t in (phi_k, augmented)]
+        inside = torch.arange(chunk_size, device=positions.device) < (positions - chunk * chunk_size)[..., None]
+        partial = (gathered[0] * inside[..., None]).transpose(-1, -2) @ gathered[1]
+        return before_chunk.gather(1, chunk[:, :, None, None].expand(-1, -1, *running.shape[2:])) + partial
+
+    first = starts[..., 0]  # the document each chunk begins in
+    carried = (before_chunk - sums_before(first)).to(phi_q.dtype)  # its sums from its start to the chunk's
+    reads_carried = (starts == first[..., None])[..., None]
+    summed = (phi_q @ carried) * reads_carried + scores.masked_fill(~(causal & same_document), 0.0) @ augmented
+    out = _read_out(summed.view(batch, chunks * chunk_size, -1)[:, :length], eps)
+    last_document = (running[:, -1:] - sums_before(starts.view(batch, -1)[:, length - 1 : length]))[:, 0]
+    return out.to(dtype), last_document.to(phi_q.dtype)
 
 
 def bidirectional_kernel_attention(

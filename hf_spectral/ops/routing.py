@@ -144,9 +144,11 @@ def gathered_query_mask(
     key_valid: torch.Tensor | None,
     key_length: int,
     is_causal: bool,
+    query_starts: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Boolean attention mask (B, 1, Q, S) of queries at key slots ``query_slots`` (B, Q) against S = ``key_length``
-    keys: True where query q may read key s, i.e. s ≤ its slot (causal) and key s is not padding.
+    keys: True where query q may read key s, i.e. s ≤ its slot (causal) and key s is not padding, and, in packed rows,
+    s ≥ ``query_starts`` (B, Q), the first slot of the query's document.
 
     ``key_valid`` (B, ≤ S) marks real keys; slots past its length (a static cache's empty tail) are not keys. With
     padding a query also reads its own slot, so that a padding query never gets an empty row. Queries of the layout
@@ -155,6 +157,9 @@ def gathered_query_mask(
     """
     key_slots = torch.arange(key_length, device=query_slots.device)
     allowed = key_slots <= query_slots[..., None] if is_causal else None
+    if query_starts is not None:
+        after_start = key_slots >= query_starts[..., None]
+        allowed = after_start if allowed is None else allowed & after_start
     if key_valid is not None:
         if key_valid.shape[1] < key_length:
             key_valid = F.pad(key_valid, (0, key_length - key_valid.shape[1]), value=False)
@@ -175,6 +180,7 @@ def gathered_query_block_mask(
     key_length: int,
     is_causal: bool,
     block_size: int = 128,
+    query_starts: torch.Tensor | None = None,
 ):
     """The mask of :func:`gathered_query_mask` as a ``flex_attention`` BlockMask, built on the device from the slots
     (no host synchronisation, no evaluation of the mask over the full (Q, S) grid).
@@ -184,6 +190,8 @@ def gathered_query_block_mask(
     holds no valid query, so the kernel skips blocks of unrouted queries and the future of each block. Key blocks
     wholly at or before the block's first slot are "full" (no mask evaluated) when the block has no invalid query and
     no key is padding. Queries past a row's count are masked out entirely here (flex_attention returns 0 for them).
+    ``query_starts`` (B, Q), packed rows: a query reads no key before its document's first slot; a block then starts
+    at the key block of its earliest valid query's document, and has no full blocks.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -200,6 +208,12 @@ def gathered_query_block_mask(
     if key_valid is not None:
         key_valid = F.pad(key_valid, (0, kv_blocks * block_size - key_valid.shape[1]), value=False)
         all_valid = torch.zeros_like(all_valid)  # padding keys: every block evaluates the mask
+    first_block = torch.zeros_like(any_valid, dtype=torch.long)
+    if query_starts is not None:
+        starts = F.pad(query_starts, (0, pad), value=0)
+        earliest = torch.where(valid, starts, key_length).view(batch, q_blocks, block_size).amin(-1)
+        first_block = torch.where(any_valid, earliest.div(block_size, rounding_mode="floor"), 0)
+        all_valid = torch.zeros_like(all_valid)  # documents begin inside blocks: every block evaluates the mask
     if is_causal:
         last = torch.where(valid, slots, -1).view(batch, q_blocks, block_size).amax(-1)
         first = torch.where(valid, slots, key_length).view(batch, q_blocks, block_size).amin(-1)
@@ -212,7 +226,10 @@ def gathered_query_block_mask(
     num_full = torch.minimum(num_full, num_blocks)
     block_ids = torch.arange(kv_blocks, device=device, dtype=torch.int32)
     full_indices = block_ids.expand(batch, 1, q_blocks, kv_blocks).contiguous()
-    partial_indices = (num_full[:, None, :, None].int() + block_ids).clamp(max=kv_blocks - 1).contiguous()
+    # Partial blocks follow the full ones; in packed rows (no full blocks) they start at the earliest document's.
+    partial_start = num_full + first_block
+    num_partial = (num_blocks - partial_start).clamp(min=0)
+    partial_indices = (partial_start[:, None, :, None].int() + block_ids).clamp(max=kv_blocks - 1).contiguous()
 
     last_query, last_key = slots.shape[1] - 1, kv_blocks * block_size - 1
 
@@ -225,10 +242,12 @@ def gathered_query_block_mask(
             allowed = allowed & (kv <= slots[b, q_index])
         if key_valid is not None:
             allowed = allowed & (key_valid[b, kv_index] | (kv == slots[b, q_index]))
+        if query_starts is not None:
+            allowed = allowed & (kv >= starts[b, q_index])
         return allowed
 
     return BlockMask.from_kv_blocks(
-        (num_blocks - num_full)[:, None].int().contiguous(),
+        num_partial[:, None].int().contiguous(),
         partial_indices,
         num_full[:, None].int().contiguous(),
         full_indices,

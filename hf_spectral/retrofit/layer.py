@@ -30,11 +30,13 @@ from transformers.utils import logging
 from ..ops.energy_gate import padding_mask
 from ..ops.gate_cache import gated_cache_layer, update_gated_cache
 from ..ops.gated_attention import attention_with_key_bias
+from ..ops.packing import PACKED_KWARGS, check_not_packed, packed_rows
 
 logger = logging.get_logger(__name__)
 
 GATED_PREFIX = "energy_gated_"
 TOKEN_MASK_KEYWORD = "energy_gate_token_mask"  # the decoder's padding mask, on its way to the gated attention calls
+DOCUMENTS_KEYWORD = "energy_gate_document_positions"  # packed rows: each token's index in its document, likewise
 
 
 def _gated_attention_function(backend: str):
@@ -130,6 +132,7 @@ class EnergyGatedAttentionMixin:
 
     def forward(self, *args, **kwargs):
         token_mask = kwargs.pop(TOKEN_MASK_KEYWORD, None)
+        document_positions = kwargs.pop(DOCUMENTS_KEYWORD, None)
         if "past_key_values" in kwargs:  # the name transformers deprecates in favour of `cache`
             kwargs["cache"] = kwargs.pop("past_key_values")
         if len(args) > 1:  # rare: bind to the stock signature to find `cache` among positional arguments
@@ -147,7 +150,7 @@ class EnergyGatedAttentionMixin:
                 self.energy_gate.cached_positions, hidden_states.shape[1], token_mask
             )
         bias, _, state, features = self.energy_gate(
-            hidden_states, token_mask, past_state, past_features, return_state=cache is not None
+            hidden_states, token_mask, past_state, past_features, cache is not None, document_positions
         )
         if self.energy_gate_heads is not None:  # ungated heads get a zero bias, i.e. their stock attention
             keep = torch.zeros(bias.shape[1], device=bias.device, dtype=bias.dtype)
@@ -193,12 +196,23 @@ def gated_attention_class(stock_class: type) -> type:
     return _GATED_ATTENTION_CLASSES[stock_class]
 
 
+_PACKING_ARGUMENTS = ("input_ids", "inputs_embeds", "position_ids", "cache", "past_key_values")
+
+
 class TokenMaskHook:
     """A forward pre-hook for a decoder stack: adds its 2D padding mask (True at tokens, ``None`` without padding)
     to the decoder's keyword arguments as ``energy_gate_token_mask``; the stock decoder passes its extra keyword
     arguments to every layer and each layer to its attention, where the gated ones take it. As an argument of each
     layer's call, the mask is what gradient checkpointing's recomputation sees too, even after the model ran on
     another batch before the backward (a reference or KL forward); a mask kept on the modules would be that batch's.
+
+    Packed rows (several documents a row: ``position_ids`` restarting, or ``cu_seq_lens_*``, with no attention mask
+    and nothing cached; ``ops/packing.py``) go the same way as ``energy_gate_document_positions``, so that the gates'
+    statistics restart at every document. The stock decoder keeps the documents apart in attention only when it
+    builds its mask without a KV cache, so the hook turns off the cache it would create for such a call
+    (``use_cache=False``), refuses one passed in, and gives ``cu_seq_lens`` without ``position_ids`` the positions of
+    each document. A sequence classifier's decoder (``pools_rows``) refuses packed rows: the head pools one vector a
+    row.
 
     Where ``attention_mask`` (and the inputs) sit among the decoder's arguments is read from its signature here,
     once: the hook itself binds no signature, which a compiled graph (``torch.compile(fullgraph=True)``) could not
@@ -213,6 +227,8 @@ class TokenMaskHook:
         self.position = names.index("attention_mask") if "attention_mask" in names else None
         inputs = ("input_ids", "inputs_embeds") if masks_as_rows else ()
         self.input_positions = {name: names.index(name) for name in inputs if name in names}
+        self.argument_positions = {name: names.index(name) for name in _PACKING_ARGUMENTS if name in names}
+        self.pools_rows = False
 
     def __call__(self, module, args, kwargs):
         if not hasattr(self, "input_positions"):  # a hook pickled before it counted sequences: GPT-2's count them
@@ -224,7 +240,49 @@ class TokenMaskHook:
             sequences = self._sequences(args, kwargs)
             if sequences is not None and mask.numel() % sequences == 0:
                 mask = mask.reshape(sequences, -1)
-        return args, {**kwargs, TOKEN_MASK_KEYWORD: padding_mask(mask)}
+        kwargs = {**kwargs, TOKEN_MASK_KEYWORD: padding_mask(mask)}
+        if not hasattr(self, "argument_positions"):  # a hook pickled before packed rows were read
+            self.argument_positions, self.pools_rows = {}, False
+        return args, self._with_documents(module, args, kwargs, mask)
+
+    def _argument(self, name, args, kwargs):
+        value = kwargs.get(name)
+        position = self.argument_positions.get(name)
+        if value is None and position is not None and position < len(args):
+            value = args[position]
+        return value
+
+    def _with_documents(self, module, args, kwargs, mask) -> dict:
+        """``kwargs`` with the document positions of packed rows (and what the stock decoder needs to keep their
+        documents apart), or as they are."""
+        position_ids = self._argument("position_ids", args, kwargs)
+        if not any(kwargs.get(name) is not None for name in PACKED_KWARGS) and (position_ids is None or mask is not None):
+            return kwargs  # the usual call, and every decoding step: one sequence a row
+        input_ids, inputs_embeds = self._argument("input_ids", args, kwargs), self._argument("inputs_embeds", args, kwargs)
+        if input_ids is not None:  # (batch, length), or GPT-2's (batch, choices, length): rows of sequences
+            length = input_ids.shape[-1]
+            batch = input_ids.numel() // max(1, length)
+        elif inputs_embeds is not None:
+            length = inputs_embeds.shape[-2]
+            batch = inputs_embeds.numel() // max(1, length * inputs_embeds.shape[-1])
+        else:
+            return kwargs
+        cache = self._argument("cache", args, kwargs)
+        cache = cache if cache is not None else self._argument("past_key_values", args, kwargs)
+        use_cache = kwargs.get("use_cache")
+        use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
+        if position_ids is not None and position_ids.shape[-1] == length:
+            position_ids = position_ids.reshape(-1, length)
+        name = type(module).__name__
+        documents, positions, use_cache = packed_rows(position_ids, mask, cache, use_cache, batch, length, kwargs, name)
+        if documents is None:
+            return kwargs
+        if self.pools_rows:
+            check_not_packed(documents, name, "a sequence classifier pools one vector per row, not one per document")
+        kwargs = {**kwargs, DOCUMENTS_KEYWORD: documents, "use_cache": use_cache}
+        if positions is not position_ids:  # counted from cu_seq_lens: the stock mask and positions need them too
+            kwargs["position_ids"] = positions
+        return kwargs
 
     def _sequences(self, args, kwargs) -> int | None:
         """How many sequences the decoder's input holds (as GPT-2 counts them), or None where it has none."""

@@ -169,6 +169,16 @@ def inject_energy_gates(model, family: Family, config: EnergyGateConfig) -> None
     decoder._energy_gate_hook = decoder.register_forward_pre_hook(
         TokenMaskHook(decoder, masks_as_rows=family.model_type == "gpt2"), with_kwargs=True
     )
+    mark_row_pooling(model, family)
+
+
+def mark_row_pooling(model, family: Family) -> None:
+    """Tell the decoder's hook when ``model`` is a sequence classifier (one pooled vector a row, so packed rows are
+    refused); a classifier whose decoder got its gates when it was built learns it here."""
+    decoder = decoder_of(model, family)
+    hook = decoder._forward_pre_hooks.get(decoder._energy_gate_hook.id)
+    if isinstance(hook, TokenMaskHook):
+        hook.pools_rows = isinstance(model, family.model_classes["AutoModelForSequenceClassification"])
 
 
 @torch.no_grad()
@@ -229,6 +239,8 @@ class EnergyGatedModelMixin:
         # which gives the gated decoder (registered below): its gates are already in place.
         if getattr(decoder_of(self, family), "_energy_gated_attentions", None) is None:
             inject_energy_gates(self, family, EnergyGateConfig.from_dict(config.energy_gates))
+        else:
+            mark_row_pooling(self, family)
 
     # generate() with a StaticCache: the gates read their padding from the 2D mask (a flex BlockMask has none), and
     # each layer is allocated at its first write (its keys and values are folded, wider than the head size).

@@ -164,3 +164,36 @@ def test_block_mask_of_gathered_queries_equals_the_boolean_mask_and_skips_blocks
     assert visited_blocks < 2 * (length // block) ** 2  # blocks of unrouted queries (and the future) skipped
     if is_causal and not padded:
         assert block_mask.full_kv_num_blocks.sum() > 0  # blocks wholly in the past evaluate no mask
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_gathered_queries_of_packed_rows_read_only_their_own_document(padded):
+    """Packed rows: a query reads no key before its document's first slot; the block mask equals the boolean one and
+    skips the key blocks before each block's earliest document."""
+    generator = torch.Generator().manual_seed(3)
+    length, block = 64, 8
+    starts = torch.tensor([[0] * 5 + [5] * 30 + [35] * 29, [0] * 40 + [40] * 24])
+    selected = torch.rand(2, length, generator=generator) < 0.5
+    selected[:, -1] = True
+    key_valid = None
+    if padded:  # (packed rows come without padding; the two conditions still combine)
+        key_valid = torch.ones(2, length, dtype=torch.bool)
+        key_valid[1, 60:] = False
+    index, valid = ops.routed_layout(selected, capacity=length)
+    query_starts = starts.gather(1, index)
+    mask = ops.gathered_query_mask(index, valid, key_valid, length, True, query_starts)[:, 0]
+    keys = torch.arange(length)
+    for b in range(2):
+        for q in range(int(valid[b].sum())):
+            slot, start = int(index[b, q]), int(query_starts[b, q])
+            expected = (keys <= slot) & (keys >= start)
+            if key_valid is not None:
+                expected = (expected & key_valid[b]) | (keys == slot)
+            assert torch.equal(mask[b, q], expected)
+    block_mask = ops.gathered_query_block_mask(index, valid, key_valid, length, True, block, query_starts)
+    dense = _dense_block_mask(block_mask, length, length)
+    assert torch.equal(dense[valid], mask[valid])
+    unpacked = ops.gathered_query_block_mask(index, valid, key_valid, length, True, block)
+    assert block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum() < (
+        unpacked.kv_num_blocks.sum() + unpacked.full_kv_num_blocks.sum()
+    )  # key blocks before a block's documents are skipped

@@ -131,6 +131,45 @@ def test_trains_ega_gpt_and_chiar_former_from_a_model_type_and_config_overrides(
         assert "routing thresholds: {\"1\": [" in card
 
 
+@pytest.mark.filterwarnings("ignore:.*SEES FUTURE TOKENS")
+@pytest.mark.parametrize(
+    "model_options",
+    [
+        ["--model_type", "ega_gpt", "--variant", "EGA-1", "--config_overrides",
+         "num_hidden_layers=2,hidden_size=32,num_attention_heads=2,max_position_embeddings=32,resid_pdrop=0.0,"
+         "embd_pdrop=0.0,attn_pdrop=0.0,energy_normalization=window"],
+        ["--model_type", "chiar_former", "--config_overrides",
+         'num_hidden_layers=3,hidden_size=32,num_attention_heads=2,layer_operators=["rbf","routed","attention"],'
+         'routed_operators=["dct","rbf","attention"],rbf_chunk_size=8,hidden_dropout=0.0'],
+    ],
+    ids=["ega_gpt-window", "chiar_former-routed"],
+)
+def test_padding_free_training_keeps_each_document_apart(model_options, corpus, tmp_path):
+    """--padding_free: every line of the text is a document of its own (pieces of at most --block_size tokens), and
+    each batch is its documents flattened into one row. The final validation loss is the mean over batches of the
+    token-weighted loss of each document scored alone: no document saw another."""
+    output = tmp_path / "out"
+    assert main([*model_options, "--tokenizer_name", "char", *files(corpus), "--do_train", "--do_eval",
+                 "--output_dir", str(output), "--max_steps", "2", "--padding_free", "--calibration_batches", "1",
+                 "--leak_free_eval_batches", "1", "--train_eval_samples", "4", *QUICK]) == 0
+    metrics = results(output)
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    model = AutoModelForCausalLM.from_pretrained(output).eval()
+    lines = (corpus / "valid.txt").read_text().splitlines(keepends=True)
+    pieces = [ids[i : i + BLOCK] for ids in tokenizer(lines)["input_ids"] for i in range(0, len(ids), BLOCK)]
+    documents = [piece for piece in pieces if len(piece) > 1][:8]  # --max_eval_samples 8
+    assert metrics["eval_samples"] == 8 and max(map(len, documents)) == BLOCK and min(map(len, documents)) < BLOCK
+    batch_losses = []
+    with torch.no_grad():
+        for start in range(0, 8, 4):
+            batch = documents[start : start + 4]
+            losses = [float(model(torch.tensor([doc]), labels=torch.tensor([doc])).loss) for doc in batch]
+            batch_losses.append(sum(loss * (len(doc) - 1) for loss, doc in zip(losses, batch))
+                                / sum(len(doc) - 1 for doc in batch))
+    assert metrics["eval_loss"] == pytest.approx(sum(batch_losses) / len(batch_losses), abs=1e-5)
+    assert "eval_leak_free_loss" in metrics and "eval_train_loss" in metrics
+
+
 def test_window_statistics_add_a_leak_free_evaluation_and_a_warning_to_the_card(corpus, tmp_path):
     output = tmp_path / "out"
     assert main(["--model_type", "ega_gpt", "--config_overrides", "num_hidden_layers=1,hidden_size=32,"

@@ -286,6 +286,7 @@ def print_losses(summaries: list) -> None:
 
 # Variants a preset trains by default
 DEFAULT_VARIANTS = {"demo": ("BASE", "EGA-1"), "smoke": ("BASE", "EGA-1"), "cpu": ("BASE", "EGA-1", "EGA-1:window"),
+                    "cpu_padding_free": ("BASE", "EGA-1"),
                     "authors": VARIANTS}
 
 

@@ -772,7 +772,8 @@ def routing_profile(model, batches: list) -> dict:
             input_ids = batch["input_ids"].to(device)
             mask = batch.get("attention_mask")
             mask = None if mask is None else mask.to(device)
-            outputs = chiar(input_ids=input_ids, attention_mask=mask, output_routing=True,
+            packed = {"position_ids": batch["position_ids"].to(device)} if "position_ids" in batch else {}
+            outputs = chiar(input_ids=input_ids, attention_mask=mask, output_routing=True, **packed,
                             **({"use_cache": False} if config.is_causal else {}))
             valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
             for layer, routes in enumerate(outputs.routing_decisions):

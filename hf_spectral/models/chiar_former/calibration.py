@@ -26,7 +26,8 @@ def _as_model_inputs(batch) -> dict:
         return {"input_ids": batch}
     if isinstance(batch, (list, tuple)):
         return {"input_ids": batch[0]}
-    return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "inputs_embeds", "position_ids")}
+    names = ("input_ids", "attention_mask", "inputs_embeds", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")
+    return {k: v for k, v in batch.items() if k in names}  # packed rows: their boundaries too
 
 
 def _several_processes() -> bool:
@@ -57,7 +58,8 @@ def measure_entropies(
     """Spectral entropies of the non-padding tokens at each routed layer, one 1-D tensor per routed layer.
 
     ``dataloader`` yields tensors of input ids, tuples whose first item is the input ids, or dicts with
-    ``input_ids`` (and optionally ``attention_mask``). With ``torch.distributed`` running several processes,
+    ``input_ids`` (and optionally ``attention_mask``, or the ``position_ids`` / ``cu_seq_lens_*`` of packed rows,
+    whose documents are then measured apart). With ``torch.distributed`` running several processes,
     ``across_processes=True`` gives every process the entropies of all of them (in rank order): every process must
     then call it, as every process calls `Trainer.evaluate`. False: this process's batches alone; unset: the same,
     with a warning in a run of several processes.

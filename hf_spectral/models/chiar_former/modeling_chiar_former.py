@@ -58,7 +58,8 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_chiar_former import ChiarConfig
 from ...ops.gated_attention import flex_attention_forward
-from ...ops.pooling import SequencePooling, classifier_attention_mask
+from ...ops.packing import check_not_packed, document_starts, packed_rows
+from ...ops.pooling import SequencePooling, classifier_attention_mask, refuse_packed_rows
 from ...ops.positions import (
     host_length,
     host_reads_are_free,
@@ -283,9 +284,11 @@ class ChiarRBFMixing(nn.Module):
         token_valid: torch.Tensor | None = None,
         cache: Cache | None = None,
         layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+        document_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(B, T, d) -> (B, T, d), or, given a gathered ``layout`` (index (B, Q), valid (B, Q)), the outputs of those
-        tokens only (B, Q, d). Every token contributes its key and value to the sums whether or not it is gathered."""
+        tokens only (B, Q, d). Every token contributes its key and value to the sums whether or not it is gathered;
+        in packed rows (``document_positions`` (B, T)) only to those of its own document."""
         values = self.v_proj(hidden_states)
         if self.variant == "authors":
             phi = trigonometric_random_features(hidden_states, self.omega)
@@ -295,7 +298,9 @@ class ChiarRBFMixing(nn.Module):
             phi_keys = phi if token_valid is None else phi * token_valid[..., None]
             if self.is_causal:
                 past_state = cached_recurrent_state(cache, self.layer_idx)
-                mixed, state = causal_kernel_attention(phi, phi_keys, values, past_state, self.chunk_size)
+                mixed, state = causal_kernel_attention(
+                    phi, phi_keys, values, past_state, self.chunk_size, document_positions=document_positions
+                )
                 if cache is not None:
                     cache.update_recurrent_state(state, self.layer_idx)
             else:
@@ -339,11 +344,13 @@ class ChiarAttention(nn.Module):
         past_length: int = 0,
         cache: Cache | None = None,
         layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+        document_positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Dense: (B, T, d) -> ((B, T, d), attention probabilities under eager attention). Routed (``layout`` given):
         -> ((B, Q, d) outputs of the gathered tokens, None). ``key_valid`` (B, past + T) marks real tokens (None:
-        no padding); the masks are built here, once the cache has given the keys."""
+        no padding); ``document_positions`` (B, T): packed rows, whose queries read their own document's keys only;
+        the masks are built here, once the cache has given the keys."""
         batch, length, _ = hidden_states.shape
         cos, sin = position_embeddings
         key_value = self.kv_proj(hidden_states)
@@ -361,6 +368,8 @@ class ChiarAttention(nn.Module):
         key_length = key.shape[2]
 
         implementation = self._implementation(kwargs)
+        # The first key each query may read: its document's first token in a packed row (no past there), else 0.
+        query_starts = None if document_positions is None else document_starts(document_positions)
         if layout is None:
             query_slots = (torch.arange(length, device=key.device) + past_length).expand(batch, -1)
             query_valid = None
@@ -370,6 +379,8 @@ class ChiarAttention(nn.Module):
             query = self._heads(self.q_proj(gather_routed(hidden_states, index)))
             query = rotate(query, gather_routed(cos, index), gather_routed(sin, index))
             query_slots = index + past_length
+            if query_starts is not None:
+                query_starts = gather_routed(query_starts, index)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         if implementation == "eager":  # CHIAR's own, which reads its boolean masks
             attention_interface = eager_attention_forward
@@ -379,12 +390,14 @@ class ChiarAttention(nn.Module):
         chunks = self._key_prefix_chunks(implementation, query_slots) if layout is not None else 1
         if chunks > 1:
             attn_output = self._attend_in_key_prefixes(
-                attention_interface, chunks, query, key, value, query_slots, query_valid, key_valid, dropout, **kwargs
+                attention_interface, chunks, query, key, value, query_slots, query_valid, key_valid, query_starts,
+                dropout, **kwargs,
             )
             return self.dropout(self.o_proj(attn_output.reshape(batch, query.shape[2], -1))), None
 
         mask, is_causal = self._mask(
-            implementation, query_slots, query_valid, key_valid, key_length, past_length, dense=layout is None
+            implementation, query_slots, query_valid, key_valid, key_length, past_length, query_starts,
+            dense=layout is None,
         )
         attn_output, attn_weights = attention_interface(
             self, query, key, value, mask, dropout=dropout, scaling=self.scaling, is_causal=is_causal, **kwargs
@@ -402,7 +415,8 @@ class ChiarAttention(nn.Module):
         return max(1, min(KEY_PREFIX_CHUNKS, query_slots.shape[1] // KEY_PREFIX_MIN_QUERIES))
 
     def _attend_in_key_prefixes(
-        self, attention_interface, chunks, query, key, value, query_slots, query_valid, key_valid, dropout, **kwargs
+        self, attention_interface, chunks, query, key, value, query_slots, query_valid, key_valid, query_starts,
+        dropout, **kwargs,
     ):
         """Gathered causal queries (B, heads, Q, head_dim) in ``chunks`` consecutive groups, each against the keys up
         to the latest slot a valid query of the group has (one host read for all groups) -> (B, Q, heads, head_dim)."""
@@ -412,8 +426,9 @@ class ChiarAttention(nn.Module):
         ends = torch.stack([latest[:, start:end].amax() for start, end in zip(bounds[:-1], bounds[1:])]) + 1
         outputs = []
         for start, end, key_length in zip(bounds[:-1], bounds[1:], ends.tolist()):
+            starts = None if query_starts is None else query_starts[:, start:end]
             mask = gathered_query_mask(
-                query_slots[:, start:end], query_valid[:, start:end], key_valid, key_length, is_causal=True
+                query_slots[:, start:end], query_valid[:, start:end], key_valid, key_length, True, starts
             )
             out, _ = attention_interface(
                 self,
@@ -442,20 +457,22 @@ class ChiarAttention(nn.Module):
             return "eager"
         return implementation
 
-    def _mask(self, implementation, query_slots, query_valid, key_valid, key_length, past_length, dense):
+    def _mask(self, implementation, query_slots, query_valid, key_valid, key_length, past_length, query_starts, dense):
         """The attention mask of queries at ``query_slots`` (B, Q) and the ``is_causal`` flag for the backend.
 
         flex_attention: a BlockMask (blocks of unrouted queries and each block's future skipped). SDPA over every
-        query without padding, when the keys are exactly the cached and new tokens (not a static cache's longer
-        buffer): no mask, the kernel's own causal flag (its fastest path). Otherwise a boolean (B, 1, Q, S) mask."""
+        query without padding nor packed documents, when the keys are exactly the cached and new tokens (not a static
+        cache's longer buffer): no mask, the kernel's own causal flag (its fastest path). Otherwise a boolean
+        (B, 1, Q, S) mask. ``query_starts`` (B, Q): the first key slot each query reads (packed rows), or None."""
         if implementation == "flex_attention":
             mask = gathered_query_block_mask(
-                query_slots, query_valid, key_valid, key_length, self.is_causal, FLEX_BLOCK_SIZE
+                query_slots, query_valid, key_valid, key_length, self.is_causal, FLEX_BLOCK_SIZE, query_starts
             )
             return mask, False
         if (
             dense
             and key_valid is None
+            and query_starts is None
             and implementation == "sdpa"
             and isinstance(past_length, int)  # not a StaticCache: its buffer is longer than what it holds
             and key_length == past_length + query_slots.shape[1]
@@ -464,7 +481,7 @@ class ChiarAttention(nn.Module):
                 return None, self.is_causal
             if query_slots.shape[1] == 1:  # one new token after the cache: it reads every key
                 return None, False
-        return gathered_query_mask(query_slots, query_valid, key_valid, key_length, self.is_causal), False
+        return gathered_query_mask(query_slots, query_valid, key_valid, key_length, self.is_causal, query_starts), False
 
 
 class ChiarRouter(nn.Module):
@@ -535,9 +552,11 @@ class ChiarLayer(GradientCheckpointingLayer):
         token_valid: torch.Tensor | None = None,
         past_length: int = 0,
         cache: Cache | None = None,
+        document_positions: torch.Tensor | None = None,
         **kwargs,
     ):
-        """-> (hidden states, routes, entropies, router probabilities); the last three are None unless routed."""
+        """-> (hidden states, routes, entropies, router probabilities); the last three are None unless routed.
+        ``document_positions`` (B, T): packed rows, each document mixed and attended on its own."""
         operator_input = self.operator_norm(hidden_states) if self.pre_norm else hidden_states
         context = dict(
             position_embeddings=position_embeddings,
@@ -545,6 +564,7 @@ class ChiarLayer(GradientCheckpointingLayer):
             token_valid=token_valid,
             past_length=past_length,
             cache=cache,
+            document_positions=document_positions,
             **kwargs,
         )
         routes = entropy = probabilities = None
@@ -566,7 +586,7 @@ class ChiarLayer(GradientCheckpointingLayer):
         if operator == "dct":
             return self.dct(states) if dct_output is None else dct_output
         if operator == "rbf":
-            return self.rbf(states, context["token_valid"], context["cache"], layout=layout)
+            return self.rbf(states, context["token_valid"], context["cache"], layout, context["document_positions"])
         attention_context = {name: value for name, value in context.items() if name != "token_valid"}
         return self.attention(states, layout=layout, **attention_context)[0]
 
@@ -752,9 +772,20 @@ class ChiarModel(ChiarPreTrainedModel):
             if cache is not None:
                 raise ValueError("a bidirectional CHIAR encoder (is_causal=False) has no cache")
             use_cache = False
+        batch, length = inputs_embeds.shape[:2]
+        # Packed rows (several documents a row, no attention_mask, nothing cached): every operator keeps the
+        # documents apart; their keys and prefix sums cannot be cached for a later step.
+        document_positions, position_ids, use_cache = packed_rows(
+            position_ids, attention_mask, cache, use_cache, batch, length, kwargs, type(self).__name__
+        )
+        if not self.built_causal:
+            check_not_packed(
+                document_positions, type(self).__name__, "a bidirectional encoder's RBF sums and attention run over the "
+                "whole row"
+            )
+            document_positions = None  # (in a compiled graph: counted positions, one sequence a row)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        batch, length = inputs_embeds.shape[:2]
         if isinstance(attention_mask, dict):  # transformers' masks per layer type (`create_masks_for_generate`)
             attention_mask = next((m for m in attention_mask.values() if m is not None), None)
         past_length = self._past_length(cache, attention_mask, length)
@@ -798,6 +829,7 @@ class ChiarModel(ChiarPreTrainedModel):
                 token_valid=token_valid,
                 past_length=past_length,
                 cache=cache,
+                document_positions=document_positions,
                 **kwargs,
             )
             if routes is not None and output_routing:
@@ -1003,6 +1035,7 @@ class ChiarForSequenceClassification(ChiarPreTrainedModel):
         **kwargs,
     ) -> ChiarSequenceClassifierOutputWithPast:
         kwargs.pop("use_cache", None)
+        refuse_packed_rows(type(self).__name__, input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
         attention_mask = classifier_attention_mask(
             type(self).__name__, input_ids, inputs_embeds, attention_mask, self.config.pad_token_id
         )

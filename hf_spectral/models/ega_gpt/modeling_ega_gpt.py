@@ -41,7 +41,8 @@ from ...ops.gated_attention import (
     flex_attention_forward,
     implementation_for_call,
 )
-from ...ops.pooling import SequencePooling, classifier_attention_mask
+from ...ops.packing import packed_rows
+from ...ops.pooling import SequencePooling, classifier_attention_mask, refuse_packed_rows
 from ...ops.positions import (
     host_length,
     host_reads_are_free,
@@ -140,10 +141,12 @@ class EGAAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        document_positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``attention_mask``: what the mask interface built for the backend; ``token_mask``: (batch, cached + new)
-        bool, False at padding (the gate's statistics skip padding), or ``None`` without padding."""
+        bool, False at padding (the gate's statistics skip padding), or ``None`` without padding;
+        ``document_positions``: (batch, new) index of each token in its document of a packed row, or ``None``."""
         batch, length, _ = hidden_states.shape
         qkv = self.c_attn(hidden_states).view(batch, length, 3, self.num_heads, self.head_dim)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (batch, heads, length, head_dim)
@@ -170,7 +173,7 @@ class EGAAttention(nn.Module):
                     self.energy_gate.cached_positions, length, token_mask
                 )
             bias, _, state, features = self.energy_gate(
-                hidden_states, token_mask, past_state, past_features, return_state=cache is not None
+                hidden_states, token_mask, past_state, past_features, cache is not None, document_positions
             )
             if cache is not None:
                 key, value, bias = update_gated_cache(cache, self.layer_idx, key, value, bias, state, features)
@@ -189,9 +192,14 @@ class EGABlock(GradientCheckpointingLayer):
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = EGAMLP(config)
 
-    def forward(self, hidden_states, attention_mask=None, token_mask=None, cache=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, token_mask=None, cache=None, document_positions=None, **kwargs):
         attn_output, _ = self.attn(
-            self.ln_1(hidden_states), attention_mask=attention_mask, token_mask=token_mask, cache=cache, **kwargs
+            self.ln_1(hidden_states),
+            attention_mask=attention_mask,
+            token_mask=token_mask,
+            cache=cache,
+            document_positions=document_positions,
+            **kwargs,
         )
         hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self.ln_2(hidden_states))
@@ -358,9 +366,15 @@ class EGAModel(EGAPreTrainedModel):
         check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past_length)
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
+        batch, length = inputs_embeds.shape[:2]
+        # Packed rows (several documents a row): the gates' statistics and filters restart at each document, as
+        # transformers' mask keeps the documents apart in attention; their keys cannot be cached for a later step.
+        given_positions = position_ids
+        document_positions, position_ids, use_cache = packed_rows(
+            position_ids, attention_mask, cache, use_cache, batch, length, kwargs, type(self).__name__
+        )
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        length = inputs_embeds.shape[1]
 
         # The gates need the padding of every position they normalise over: (batch, ≥ cached + new), True at tokens.
         token_mask = padding_mask(attention_mask, past_length + length)
@@ -369,6 +383,7 @@ class EGAModel(EGAPreTrainedModel):
                 position_ids = new_positions(token_positions(token_mask), past_length, length)
             else:
                 position_ids = (torch.arange(length, device=inputs_embeds.device) + past_length)[None]
+        if position_ids is not given_positions:  # counted here (a packed row's from its cu_seq_lens): within the table?
             check_context_length(self.config, position_ids, past_length, length)
 
         causal_mask = create_causal_mask(
@@ -382,7 +397,12 @@ class EGAModel(EGAPreTrainedModel):
         # Early-exit drafting (`assistant_early_exit`) lowers num_hidden_layers: run that many blocks.
         for block in self.h[: self.config.num_hidden_layers]:
             hidden_states = block(
-                hidden_states, attention_mask=causal_mask, token_mask=token_mask, cache=cache, **kwargs
+                hidden_states,
+                attention_mask=causal_mask,
+                token_mask=token_mask,
+                cache=cache,
+                document_positions=document_positions,
+                **kwargs,
             )
         return EGAModelOutputWithPast(last_hidden_state=self.ln_f(hidden_states), cache=cache)
 
@@ -498,6 +518,7 @@ class EGAForSequenceClassification(EGAPreTrainedModel):
         **kwargs,
     ) -> EGASequenceClassifierOutputWithPast:
         kwargs.pop("use_cache", None)
+        refuse_packed_rows(type(self).__name__, input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
         attention_mask = classifier_attention_mask(
             type(self).__name__, input_ids, inputs_embeds, attention_mask, self.config.pad_token_id
         )
