@@ -67,7 +67,9 @@ def finite_float(text: str) -> float:
     return value
 
 
-def run(argv, prog: str) -> int:
+def options(argv, prog: str) -> tuple:
+    """The command line: (args with every default of the preset filled in, the run_clm options for every run, the
+    preset, the output folder, the results folder)."""
     parser = driver_parser(prog, __doc__)
     parser.add_argument("--benchmarks", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
     parser.add_argument("--preset", choices=list(DEFAULTS), default="cpu",
@@ -111,7 +113,11 @@ def run(argv, prog: str) -> int:
     output_dir = args.output_dir or ("runs/ega_context-smoke" if preset == "smoke" else "runs/ega_context")
     results_dir = args.results_dir or (os.path.join(output_dir, "results") if preset == "smoke"
                                        else "results/ega_context")
+    return args, tokens, preset, output_dir, results_dir
 
+
+def run(argv, prog: str) -> int:
+    args, tokens, preset, output_dir, results_dir = options(argv, prog)
     sweep, taus, order = plan(args, tokens, preset, output_dir)
     if not (args.dry_run or args.aggregate_only):
         for benchmark in dict.fromkeys(args.benchmarks + ([args.tau_corpus] if taus else [])):

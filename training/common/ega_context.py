@@ -136,6 +136,50 @@ def comparison(summaries: list) -> tuple:
     return rows, paired, positions
 
 
+def trend(rows: list) -> list:
+    """Per corpus: the least-squares slope of the per-seed Δ against log2(context) (nats per doubling of the context)
+    over every (context, seed) point, its standard error and t (n − 2 degrees of freedom), and the difference between
+    the mean Δ at the longest and at the shortest context with its Welch t."""
+    import math
+
+    found = []
+    for corpus in dict.fromkeys(row["corpus"] for row in rows):
+        cells = [row for row in rows if row["corpus"] == corpus and row["delta"]]
+        points = [(math.log2(row["context"]), value) for row in cells for value in row["delta"]["per_seed"]]
+        result = {"corpus": corpus, "contexts": [row["context"] for row in cells], "points": len(points),
+                  "slope": None, "slope_se": None, "slope_t": None, "last_minus_first": None, "welch_t": None}
+        xs = [x for x, _ in points]
+        if len({*xs}) > 1 and len(points) > 2:
+            mean_x, mean_y = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+            sxx = sum((x - mean_x) ** 2 for x in xs)
+            slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
+            residual = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in points) / (len(points) - 2)
+            se = math.sqrt(residual / sxx)
+            result.update(slope=slope, slope_se=se, slope_t=slope / se if se > 0 else None)
+        if len(cells) > 1:
+            first, last = cells[0]["delta"], cells[-1]["delta"]
+            result["last_minus_first"] = last["mean"] - first["mean"]
+            if first["std"] is not None and last["std"] is not None:
+                spread = math.sqrt(first["std"] ** 2 / len(first["per_seed"]) + last["std"] ** 2 / len(last["per_seed"]))
+                result["welch_t"] = result["last_minus_first"] / spread if spread > 0 else None
+        found.append(result)
+    return found
+
+
+def trend_table(trends: list) -> str:
+    from ..results import markdown_table
+
+    def number(value, digits=4, sign=True):
+        return "" if value is None else f"{value:{'+' if sign else ''}.{digits}f}"
+
+    rows = [{"corpus": one["corpus"], "contexts": ", ".join(map(str, one["contexts"])), "points (context × seed)":
+             one["points"], "slope of Δ per doubling": number(one["slope"]), "its SE": number(one["slope_se"],
+                                                                                               sign=False),
+             "t (n − 2 df)": number(one["slope_t"], 2), "Δ longest − Δ shortest": number(one["last_minus_first"]),
+             "Welch t": number(one["welch_t"], 2)} for one in trends]
+    return markdown_table(rows)
+
+
 COLUMNS = ["corpus", "context", "batch", "seeds (BASE / EGA-1)", "BASE val loss", "EGA-1 val loss", "Δ paired",
            "Δ per seed", "late − early Δ", "EGA-1 τ (mean)", "train min / run (BASE / EGA-1)"]
 
@@ -229,6 +273,7 @@ def write_report(sweep: dict, taus: dict, results_dir: str, preset: str, tau_cor
     complete, planned = len(summaries), len(sweep)
     if summaries:
         rows, paired, positions = comparison(summaries)
+        trends = trend(rows)
         status = "" if complete == planned else f" (partial: {complete} of {planned} runs complete)"
         first = min(summaries, key=lambda found: (found["context"], found["seed"]))
         arguments = first["arguments"]
@@ -244,12 +289,14 @@ def write_report(sweep: dict, taus: dict, results_dir: str, preset: str, tau_cor
             "(positions 1 .. W−1), paired by seed (positive: the gate helps late positions more). τ: the mean over "
             "layers and heads of EGA-1's learned threshold at the end (initial 0)."
             + (f"\n\n**Partial**: {complete} of {planned} planned runs are complete; the others are left out."
-               if status else "") + "\n\n" + position_table(positions))
+               if status else "")
+            + "\n\n### Does Δ grow with the context? (per corpus; Δ per seed against log2 context)\n\n"
+            + trend_table(trends) + "\n" + position_table(positions))
         write_results(results_dir, "context_sweep", rows, title=f"EGA-1 vs BASE by context length{status}",
                       config=arguments, seeds=sorted({found["seed"] for found in summaries}), notes=notes,
                       columns=COLUMNS,
                       extra={"complete_runs": complete, "planned_runs": planned, "contexts": contexts,
-                             "paired_deltas": paired, "position_deltas": positions,
+                             "paired_deltas": paired, "trend": trends, "position_deltas": positions,
                              "runs": [{key: value for key, value in found.items()
                                        if key not in ("log_history", "arguments")} for found in summaries]})
         deltas = {}
@@ -272,6 +319,10 @@ def write_report(sweep: dict, taus: dict, results_dir: str, preset: str, tau_cor
             if found.get("gates"):
                 sweep_taus.setdefault((found["benchmark"], found["context"]), []).append(found["gates"]["tau_mean"])
         heads = len([key for key in final_gates(tau[0]["log_history"]) if key.endswith("/tau")])
+        finals = [found["gates"]["tau_mean"] for found in tau if found.get("gates")]
+        spread = {"start": max(found["tau_init"] for found in tau) - min(found["tau_init"] for found in tau),
+                  "end": max(finals) - min(finals) if finals else None,
+                  "mean_end": statistics.fmean(finals) if finals else None}
         notes = (
             f"EGA-1 (causal) on {ega.TITLES.get(tau_corpus, tau_corpus)} at context "
             f"{arguments['block_size']}, batch {arguments['per_device_train_batch_size']}, {arguments['max_steps']} "
@@ -281,6 +332,9 @@ def write_report(sweep: dict, taus: dict, results_dir: str, preset: str, tau_cor
             f"every {arguments['logging_steps']} steps. moved: final − initial; last 25% of steps: the change of the "
             f"mean τ over the last quarter of training (the learning rate decays to 0 there). Paper: τ converges to "
             f"≈ {PAPER_TAU} whatever its start (SPEC 1.4)."
+            + (f"\n\nSpread of the mean τ over the starts: {spread['start']:.3f} at the start, "
+               f"{spread['end']:.3f} at the end (mean of the final values {spread['mean_end']:+.3f})."
+               if len(finals) > 1 else "")
             + (f"\n\n**Partial**: {len(tau)} of {len(taus)} τ runs are complete." if status else "")
             + ("\n\nEGA-1's final τ (mean over heads) in the context sweep, from 0: "
                + "; ".join(f"{ega.TITLES.get(corpus, corpus)} context {context}: {pm(*mean_std(values), 3)}"
@@ -288,6 +342,7 @@ def write_report(sweep: dict, taus: dict, results_dir: str, preset: str, tau_cor
         write_results(results_dir, "tau_init", tau_rows(tau), title=f"Where EGA-1's threshold τ goes from its start{status}",
                       config=arguments, seeds=[arguments["seed"]], notes=notes, columns=TAU_COLUMNS,
                       extra={"complete_runs": len(tau), "planned_runs": len(taus), "paper_tau": PAPER_TAU,
+                             "spread": spread,
                              "runs": [{key: value for key, value in found.items()
                                        if key not in ("log_history", "arguments")} for found in tau]})
         plot_tau_trajectories({f"τ init {found['tau_init']:+g}": found["tau_trajectory"] for found in tau},
