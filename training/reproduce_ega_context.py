@@ -21,6 +21,9 @@ the most informative runs. Each run is a folder of <output_dir>/<corpus>/context
 finished runs are reused and interrupted ones resume, so the command can be rerun at any time. The tables are written
 from the runs complete so far, labelled partial until all are.
 
+Any other option is run_clm's and applies to every run (e.g. --max_steps: to the sweep; the τ runs keep --tau_steps
+and --tau_warmup_steps).
+
 --smoke: the smoke configuration, contexts 16 and 32, seed 0, two τ runs, one run at a time in this process, everything
 (tables included) under runs/ega_context-smoke/, never in results/ega_context/.
 """

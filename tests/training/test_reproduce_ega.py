@@ -95,6 +95,12 @@ def test_runs_of_a_table_of_record_join_a_new_table_without_being_trained(tiny_s
     assert reproduce_ega.main(joined + ["--results_dir", str(tmp_path / "mixed")]) == 0
     mixed = json.loads((tmp_path / "mixed" / "tinyshakespeare.json").read_text())
     assert mixed["rows"] == record["rows"] and len(mixed["recorded_runs"][0]["runs"]) == 2
+    # A table written from a record names the command that trained its runs, not the one that read them
+    assert reproduce_ega.main(data + ["--output_dir", str(tmp_path / "third"), "--add_to_results", str(
+        tmp_path / "mixed" / "tinyshakespeare.json"), "--results_dir", str(tmp_path / "third_results")]) == 0
+    third = json.loads((tmp_path / "third_results" / "tinyshakespeare.json").read_text())
+    assert [entry["command"] for entry in third["recorded_runs"]] == [record["command"], mixed["command"]]
+    assert third["rows"] == record["rows"]
     # Other arguments than the record's: refused, naming the difference
     assert reproduce_ega.main(joined + ["--max_steps", "5", "--dry_run"]) == 2
     assert "holds runs made with other arguments (max_steps: 4 there, 5 here" in capsys.readouterr().err

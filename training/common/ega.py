@@ -319,9 +319,12 @@ def write_report(benchmark: str, runs: dict, results_dir: str, name: str, title:
              f"statistics).\n\nPaired by seed (model and BASE share the seed):\n{paired_lines}\n")
     extra = {}
     if recorded:
-        sources = {}
+        sources = {}  # the command that trained each recorded run: the record's, or the one its record names
         for run in recorded:
-            sources.setdefault(id(run.source), (run.source, []))[1].append(run.name)
+            origin = next((entry for entry in run.source.get("recorded_runs", []) if run.name in entry["runs"]),
+                          run.source)
+            key = (origin.get("command"), origin.get("date"))
+            sources.setdefault(key, (origin, []))[1].append(run.name)
         extra["recorded_runs"] = [{"runs": names, "command": source.get("command"), "date": source.get("date"),
                                    "hardware": source.get("hardware")} for source, names in sources.values()]
         notes += "".join(
