@@ -305,9 +305,9 @@ def write_report(sweep: dict, taus: dict, results_dir: str, preset: str, tau_cor
                 deltas.setdefault(row["corpus"], []).append((row["context"], row["delta"]))
         plot_delta_vs_context(
             deltas, os.path.join(results_dir, "delta_vs_context.png"),
-            f"EGA-1 (causal) − BASE by context, {first['tokens_per_step']} tokens per step{status}")
+            f"Δ = BASE − EGA-1 (causal) by context, {first['tokens_per_step']} tokens per step{status}")
         plot_position_deltas(positions, os.path.join(results_dir, "position_delta.png"),
-                             f"Δ (BASE − EGA-1) by position of the predicted token{status}")
+                             f"Δ (BASE − EGA-1) by position of the predicted token{status}", ega.TITLES)
         print(f"context sweep: {results_dir}/context_sweep.{{json,md}}{status}")
         wrote = True
     tau = tau_summaries(taus)

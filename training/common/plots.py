@@ -221,9 +221,11 @@ def plot_delta_vs_context(deltas: dict, path: str, title: str) -> str:
     return save(fig, path)
 
 
-def plot_position_deltas(positions: dict, path: str, title: str) -> str:
+def plot_position_deltas(positions: dict, path: str, title: str, titles: dict | None = None) -> str:
     """Per corpus, Δ by group of window positions, one line per context (``positions``: the cells of
-    `ega_context.comparison`, each {benchmark, context, groups: {"first-last": {"delta": ...}}})."""
+    `ega_context.comparison`, each {benchmark, context, groups: {"first-last": {"delta": ...}}}; ``titles``: a
+    panel title per corpus)."""
+    titles = titles or {}
     benchmarks = list(dict.fromkeys(cell["benchmark"] for cell in positions.values()))
     fig, axes = plt.subplots(1, len(benchmarks), figsize=(6.2 * len(benchmarks), 4.2), squeeze=False, sharey=True)
     for ax, benchmark in zip(axes[0], benchmarks):
@@ -240,7 +242,7 @@ def plot_position_deltas(positions: dict, path: str, title: str) -> str:
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("position of the predicted token in the window (group middle)")
-        ax.set_title(benchmark, fontsize=9)
+        ax.set_title(titles.get(benchmark, benchmark), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0, 0].set_ylabel("Δ = BASE − EGA-1 (nats/char)")
