@@ -21,6 +21,7 @@ RECIPES = {
     "listops": "ListOps classification (long sequences)",
     "retrofit_gpt2": "energy gates retrofitted to a GPT-2 and fine-tuned, vs plain fine-tuning",
     "reproduce_ega": "the EGA reproduction: every variant, both corpora, several seeds, one table (--smoke: tiny)",
+    "reproduce_ega_context": "EGA-1 vs the baseline at contexts 64-512, loss per window position, the τ study",
     "reproduce_chiar": "the CHIAR-Former reproduction: every arm on WikiText-2, ListOps and IMDB, several seeds",
     "rmt_signal_recovery": "the random-matrix theory of attention pooling, checked by simulation",
 }

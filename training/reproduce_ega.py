@@ -5,6 +5,8 @@ corpus (results/ega/), each run a run of run_clm with the configuration training
     python -m training.reproduce_ega --dry_run                   # every run's command, done / pending
     python -m training.reproduce_ega --aggregate_only            # the tables again, from the finished runs
     python -m training.reproduce_ega --smoke                     # the whole pipeline at toy size, in minutes
+    python -m training.reproduce_ega --benchmarks ptb_char --add_to_results results/ega/ptb_char.json \
+        --output_dir runs/ega_ptb_variants            # the variants trained, the record's main runs read from it
     python -m training.reproduce_ega --benchmarks tinyshakespeare --other_seeds --max_steps 2000 \\
         --warmup_steps 160 --output_dir runs/ega_long --results_dir results/ega_long      # results/ega_long/
     hf-spectral train reproduce_ega --help
@@ -15,6 +17,10 @@ Each run is a folder of <output_dir>/<corpus>/; --jobs of them train at once, ea
 Finished runs are reused and interrupted ones resume from their last checkpoint, so the command can be rerun at any
 time; a corpus's table is written once all its runs are complete. The corpora are found as the benchmarks find them
 ($TINYSHAKESPEARE_PATH, $PTB_PATH, $HF_SPECTRAL_DATA, the download cache or a download).
+
+--add_to_results results/ega/<corpus>.json (with that corpus alone): the runs that table holds and --output_dir does
+not are read from it instead of trained, and the new table holds both: e.g. the variants added to a main comparison
+trained on another machine, whose run folders are not here (the record's arguments must be this command's).
 
 --smoke: the smoke preset, seed 0, BASE and EGA-1 (causal and window), one run at a time in this process,
 everything (tables included) under runs/ega_reproduction-smoke/, never in results/ega/.
@@ -49,11 +55,18 @@ def run(argv, prog: str) -> int:
                         help="seeds of the other variants (default 0; smoke and --other_seeds alone: none)")
     parser.add_argument("--results_dir", help="where the tables go (default results/ega; smoke: <output_dir>/results)")
     parser.add_argument("--aggregate_only", action="store_true", help="only write the tables from the finished runs")
+    parser.add_argument("--add_to_results", metavar="JSON",
+                        help="a table of record of one corpus (<corpus>.json as this command writes it): its runs "
+                             "that are not complete in --output_dir are read from it, not trained, and the table "
+                             "written holds them beside the runs trained here (new variants beside a main comparison "
+                             "whose run folders are on another machine); it must come from the same arguments")
     ega.add_arguments(parser, ("cpu", "authors", "smoke"), "cpu")
     parser.set_defaults(jobs=None, threads=None)
     args, tokens = parse(parser, argv)
     if args.variants or args.seeds:
         raise UsageError("the reproduction's runs are set by --main_seeds and --other_seeds, not --variants / --seeds")
+    if args.add_to_results and len(args.benchmarks) != 1:
+        raise UsageError("--add_to_results is the table of one corpus: give that corpus alone with --benchmarks")
     smoke = args.smoke or args.preset == "smoke"
     preset = "smoke" if smoke else args.preset
     main_seeds = args.main_seeds or [0] if smoke else args.main_seeds or [0, 1, 2]
@@ -76,6 +89,14 @@ def run(argv, prog: str) -> int:
                         one.name = f"{benchmark}-{one.name}"
                     runs[benchmark].update(made)
                     order += made.values()
+    if args.add_to_results:  # the runs the record holds join the table instead of being trained
+        (benchmark,) = args.benchmarks
+        recorded = ega.recorded_runs(args.add_to_results, runs[benchmark])
+        runs[benchmark].update(recorded)
+        names = {one.name for one in recorded.values()}
+        order = [one for one in order if one.name not in names]
+        for one in recorded.values():
+            print(f"recorded {one.name}: read from {args.add_to_results}")
     if not (args.dry_run or args.aggregate_only):
         for benchmark in args.benchmarks:
             files = BENCHMARKS[benchmark].data_files(args.data_dir)

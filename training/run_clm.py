@@ -111,11 +111,25 @@ class DataTrainingArguments:
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Train on the first N blocks only."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N blocks only."})
+    position_loss_buckets: int | None = field(
+        default=None,
+        metadata={"help": "Also report the loss per position in the block: its T - 1 predictions, by the position t = "
+                  "1 .. T - 1 of the predicted token (t tokens before it), split into N buckets as equal as they "
+                  "can be; eval_position_loss_<first>-<last> is the mean loss of the predictions of positions first "
+                  "to last (test_..., and every evaluation during training, likewise). Computed in the evaluation "
+                  "loop, no second pass; N at most T - 1."},
+    )
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes that tokenize."})
     overwrite_cache: bool = field(default=False, metadata={"help": "Tokenize again instead of reading the cache."})
 
     def __post_init__(self):
-        check_data_arguments(self, extensions=("txt", "json", "jsonl", "csv"), positive=("block_size", "max_train_samples", "max_eval_samples"))
+        check_data_arguments(self, extensions=("txt", "json", "jsonl", "csv"), positive=("block_size", "max_train_samples", "max_eval_samples", "position_loss_buckets"))
+        if self.position_loss_buckets and self.block_size and self.position_loss_buckets > self.block_size - 1:
+            raise ValueError(f"--position_loss_buckets {self.position_loss_buckets}: a block of {self.block_size} "
+                             f"tokens has {self.block_size - 1} predictions; give at most that many buckets")
+        if self.position_loss_buckets and self.padding_free:
+            raise ValueError("--position_loss_buckets with --padding_free: a flattened batch is one row of several "
+                             "documents, whose positions in the row are not positions in a window")
 
 
 # The argument dataclasses, in the order the options are parsed (drivers check a run's arguments against them)
@@ -166,6 +180,7 @@ def run(argv, prog: str) -> int:
             logger.warning(f"--block_size {data_args.block_size} is longer than the tokenizer's maximum length "
                            f"({tokenizer.model_max_length}); using {tokenizer.model_max_length}")
         block_size = min(data_args.block_size, tokenizer.model_max_length)
+    buckets = position_buckets(block_size, data_args.position_loss_buckets) if data_args.position_loss_buckets else []
 
     def tokenize(examples):
         return tokenizer(examples[text_column])
@@ -210,11 +225,20 @@ def run(argv, prog: str) -> int:
     accuracy = load_metric("accuracy")
 
     def preprocess_logits_for_metrics(logits, labels):
-        return (logits[0] if isinstance(logits, tuple) else logits).argmax(dim=-1)
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        if not buckets:
+            return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1), next_token_losses(logits, labels)
 
     def compute_metrics(eval_prediction):
         predictions, labels = eval_prediction
-        return accuracy.compute(predictions=predictions[:, :-1].reshape(-1), references=labels[:, 1:].reshape(-1))
+        losses = None
+        if buckets:
+            predictions, losses = predictions
+        metrics = accuracy.compute(predictions=predictions[:, :-1].reshape(-1), references=labels[:, 1:].reshape(-1))
+        if buckets:
+            metrics.update(position_losses(losses, labels, buckets))
+        return metrics
 
     # What the additions log while training; a CHIAR-Former's calibration and routing on the first training batches
     log_callback = None
@@ -295,6 +319,47 @@ def run(argv, prog: str) -> int:
     write_model_card(trainer, model_args, data_args, all_metrics, script="run_clm", task="text-generation",
                      tokenizer=tokenizer, log_callback=log_callback)
     return 0
+
+
+def position_buckets(block_size: int, count: int) -> list:
+    """The positions of each of ``count`` buckets of a block's predictions: (first, last), the predicted token's
+    positions t = 1 .. block_size - 1 split as evenly as they can be (bucket k starts at 1 + k (T - 1) // count)."""
+    predictions = block_size - 1
+    if count > predictions:
+        raise UsageError(f"--position_loss_buckets {count}: a block of {block_size} tokens has {predictions} "
+                         "predictions; give at most that many buckets")
+    starts = [1 + k * predictions // count for k in range(count + 1)]
+    return [(starts[k], starts[k + 1] - 1) for k in range(count)]
+
+
+def position_loss_key(first: int, last: int, block_size: int) -> str:
+    """``position_loss_<first>-<last>``, the positions zero-padded to the width of the block's last one."""
+    width = len(str(block_size - 1))
+    return f"position_loss_{first:0{width}d}-{last:0{width}d}"
+
+
+def next_token_losses(logits, labels):
+    """(batch, T - 1) next-token losses of a batch (in float32; 0 where the label is ignored, -100)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:], ignore_index=-100,
+                           reduction="none")
+
+
+def position_losses(losses, labels, buckets: list) -> dict:
+    """The mean loss of the predictions of each bucket's positions (``losses``: (N, T - 1) from
+    `next_token_losses`, gathered over the evaluation; the ignored labels, -100, left out)."""
+    import numpy as np
+
+    losses, labels = np.asarray(losses, dtype=np.float64), np.asarray(labels)
+    block_size = labels.shape[1]
+    counted = labels[:, 1:] != -100
+    metrics = {}
+    for first, last in buckets:
+        mask = counted[:, first - 1:last]
+        if mask.any():
+            metrics[position_loss_key(first, last, block_size)] = float(losses[:, first - 1:last][mask].mean())
+    return metrics
 
 
 def perplexity(loss: float) -> float:

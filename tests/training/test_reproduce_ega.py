@@ -60,11 +60,59 @@ def test_smoke_builds_both_tables_from_runs_made_in_their_own_processes(tiny_sha
                                                                       ).is_file()
 
 
+def test_runs_of_a_table_of_record_join_a_new_table_without_being_trained(tiny_shakespeare, tmp_path, monkeypatch,
+                                                                         capsys):
+    """--add_to_results: the record's runs that --output_dir lacks are read from it, not trained; the table built
+    from the record alone is the record's; a run complete here is read from its folder; a record made with other
+    arguments is refused."""
+    import shutil
+
+    monkeypatch.setenv("TINYSHAKESPEARE_PATH", tiny_shakespeare)
+    data = ["--data_dir", str(tmp_path / "data"), "--benchmarks", "tinyshakespeare", "--smoke", "--max_steps", "4",
+            "--eval_steps", "2", "--save_steps", "4"]
+    first = tmp_path / "first"
+    assert reproduce_ega.main(data + ["--output_dir", str(first)]) == 0, capsys.readouterr()
+    record_path = first / "results" / "tinyshakespeare.json"
+    record = json.loads(record_path.read_text())
+    capsys.readouterr()
+    # Nothing here: every run is the record's, nothing trains, and the table is the record's
+    elsewhere = tmp_path / "elsewhere"
+    joined = data + ["--output_dir", str(elsewhere), "--add_to_results", str(record_path)]
+    assert reproduce_ega.main(joined + ["--dry_run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"recorded tinyshakespeare-{run}-seed0: read from {record_path}"
+                     for run in ("BASE", "EGA-1-causal", "EGA-1-window")]
+    assert reproduce_ega.main(joined) == 0
+    assert not (elsewhere / "tinyshakespeare").exists()  # nothing trained
+    table = json.loads((elsewhere / "results" / "tinyshakespeare.json").read_text())
+    assert table["rows"] == record["rows"] and table["paired_deltas"] == record["paired_deltas"]
+    assert table["runs"] == record["runs"] and table["gate_by_character"] == record["gate_by_character"]
+    assert table["recorded_runs"][0]["command"] == record["command"] and len(table["recorded_runs"][0]["runs"]) == 3
+    assert "Read from an earlier table of record" in (elsewhere / "results" / "tinyshakespeare.md").read_text()
+    # A run complete here is read from its folder (the others from the record): the same numbers
+    shutil.copytree(first / "tinyshakespeare" / "EGA-1-causal-seed0", elsewhere / "tinyshakespeare" /
+                    "EGA-1-causal-seed0")
+    assert reproduce_ega.main(joined + ["--results_dir", str(tmp_path / "mixed")]) == 0
+    mixed = json.loads((tmp_path / "mixed" / "tinyshakespeare.json").read_text())
+    assert mixed["rows"] == record["rows"] and len(mixed["recorded_runs"][0]["runs"]) == 2
+    # A table written from a record names the command that trained its runs, not the one that read them
+    assert reproduce_ega.main(data + ["--output_dir", str(tmp_path / "third"), "--add_to_results", str(
+        tmp_path / "mixed" / "tinyshakespeare.json"), "--results_dir", str(tmp_path / "third_results")]) == 0
+    third = json.loads((tmp_path / "third_results" / "tinyshakespeare.json").read_text())
+    assert [entry["command"] for entry in third["recorded_runs"]] == [record["command"], mixed["command"]]
+    assert third["rows"] == record["rows"]
+    # Other arguments than the record's: refused, naming the difference
+    assert reproduce_ega.main(joined + ["--max_steps", "5", "--dry_run"]) == 2
+    assert "holds runs made with other arguments (max_steps: 4 there, 5 here" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["--jobs", "0"], "argument --jobs: must be a positive integer, got 0"),
     (["--threads", "-1"], "argument --threads: must be a positive integer, got -1"),
     (["--benchmarks", "wikitext"], "argument --benchmarks: invalid choice: 'wikitext'"),
     (["--variants", "EGA-2"], "the reproduction's runs are set by --main_seeds and --other_seeds"),
+    (["--add_to_results", "x.json"], "--add_to_results is the table of one corpus"),
+    (["--add_to_results", "nowhere.json", "--benchmarks", "ptb_char"], "--add_to_results nowhere.json: not a table"),
 ])
 def test_bad_arguments_end_with_a_one_line_error(arguments, message, tmp_path, capsys):
     assert reproduce_ega.main([*arguments, "--dry_run", "--output_dir", str(tmp_path / "runs")]) == 2

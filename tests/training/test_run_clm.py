@@ -285,10 +285,54 @@ def test_streaming_a_text_file(tiny_gpt2, corpus, tmp_path):
                  "--do_train", "--output_dir", str(tmp_path / "epochs"), *QUICK]) == 2  # no --max_steps
 
 
+def test_position_buckets_split_the_predictions_of_a_block_as_evenly_as_they_can():
+    from training.run_clm import position_buckets
+
+    assert position_buckets(128, 8) == [(1, 15)] + [(16 * k, 16 * k + 15) for k in range(1, 7)] + [(112, 127)]
+    assert position_buckets(64, 4) == position_buckets(128, 8)[:3] + [(48, 63)]  # the same positions at any context
+    buckets = position_buckets(10, 6)  # 9 predictions in 6 buckets: none empty, none overlapping, all covered
+    assert [last - first + 1 for first, last in buckets] == [1, 2, 1, 2, 1, 2]
+    assert [p for first, last in buckets for p in range(first, last + 1)] == list(range(1, 10))
+    assert position_buckets(32, 31) == [(t, t) for t in range(1, 32)]
+
+
+def test_the_loss_per_position_in_the_block_is_scored_in_the_evaluation_loop(corpus, tmp_path):
+    """--position_loss_buckets 4 at block 32: the mean loss of the predictions of positions 1-7, 8-15, 16-23, 24-31
+    of the validation blocks, as the saved model gives them token by token; their mean weighted by the predictions
+    is the evaluation loss. The evaluations during training report them too."""
+    output = tmp_path / "out"
+    assert main(["--model_type", "ega_gpt", "--variant", "EGA-1", "--config_overrides",
+                 "num_hidden_layers=2,hidden_size=32,num_attention_heads=2,max_position_embeddings=32",
+                 "--tokenizer_name", "char", *files(corpus), "--do_train", "--do_eval", "--max_steps", "4",
+                 "--learning_rate", "0.01", "--eval_strategy", "steps", "--eval_steps", "2", "--position_loss_buckets",
+                 "4", "--output_dir", str(output), *QUICK]) == 0
+    metrics = results(output)
+    keys = sorted(key for key in metrics if key.startswith("eval_position_loss_"))
+    assert keys == [f"eval_position_loss_{span}" for span in ("01-07", "08-15", "16-23", "24-31")]
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(output).eval(), AutoTokenizer.from_pretrained(output)
+    ids = torch.tensor(tokenizer((corpus / "valid.txt").read_text())["input_ids"][: 8 * BLOCK]).view(8, BLOCK)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    for key, (first, last) in zip(keys, [(1, 7), (8, 15), (16, 23), (24, 31)]):
+        assert metrics[key] == pytest.approx(float(losses[:, first - 1:last].mean()), abs=1e-5), key
+    assert len({round(metrics[key], 4) for key in keys}) == 4  # trained: the positions differ
+    weighted = sum(metrics[key] * count for key, count in zip(keys, (7, 8, 8, 8))) / 31
+    assert weighted == pytest.approx(metrics["eval_loss"], abs=1e-5)
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    assert [entry["step"] for entry in history if "eval_position_loss_24-31" in entry] == [2, 4]
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
         (["--model_type", "transformer_xxl", "--tokenizer_name", "char"], "unknown --model_type 'transformer_xxl'"),
+        (["--model_type", "gpt2", "--tokenizer_name", "char", "--position_loss_buckets", "32"],
+         "--position_loss_buckets 32: a block of 32 tokens has 31 predictions; give at most that many buckets"),
+        (["--model_type", "gpt2", "--tokenizer_name", "char", "--position_loss_buckets", "0"],
+         "--position_loss_buckets must be positive, got 0"),
+        (["--model_type", "gpt2", "--tokenizer_name", "char", "--position_loss_buckets", "4", "--padding_free"],
+         "--position_loss_buckets with --padding_free: a flattened batch is one row of several documents"),
         (["--model_type", "ega_gpt", "--tokenizer_name", "char", "--add_energy_gates", "--config_overrides",
           "num_hidden_layers=1,hidden_size=16,num_attention_heads=2"],
          "--add_energy_gates: energy gates cannot be added to EGAForCausalLM"),

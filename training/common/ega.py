@@ -10,8 +10,10 @@ statistics (it sees future tokens) beside every model's ordinary loss on the sam
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+from dataclasses import dataclass, field
 
 from .cli import UsageError, program_name, run_main
 from .experiments import (
@@ -76,10 +78,11 @@ def run_name(variant: str, normalization: str, seed: int) -> str:
 
 
 def make_runs(benchmark: str, preset: str, variants: list, seeds: list, output_dir: str, files: dict, args,
-              tokens: list) -> dict:
+              tokens: list, settings: dict | None = None) -> dict:
     """{(variant, statistics, seed): run_clm run}: the preset's configuration, the data ``files``, the size options
-    of ``args`` and the script options among ``tokens``."""
-    base = apply_sizes({**config(f"{benchmark}_{preset}"), **files}, args, DROPOUT_FIELDS, "block_size")
+    of ``args``, ``settings`` (run_clm options a driver sets) and the script options among ``tokens``."""
+    base = {**apply_sizes({**config(f"{benchmark}_{preset}"), **files}, args, DROPOUT_FIELDS, "block_size"),
+            **(settings or {})}
     options = script_options("run_clm", tokens)
     runs = {}
     for variant, normalization in dict.fromkeys(variants):
@@ -92,6 +95,62 @@ def make_runs(benchmark: str, preset: str, variants: list, seeds: list, output_d
                                                                 {"energy_normalization": normalization})
             runs[variant, normalization, seed] = Run(name, "run_clm", arguments)
     return runs
+
+
+@dataclass
+class RecordedRun(Run):
+    """A run whose folder is not on this machine, read from a table of record (a ``<corpus>.json`` that
+    `write_report` wrote): ``recorded`` is its entry of the record's ``runs``, ``source`` the record itself. It counts
+    as complete and is never trained; `write_report` takes its numbers from the record."""
+
+    recorded: dict = field(default_factory=dict)
+    source: dict = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return True
+
+
+# Arguments that say where a run's files are, not how it ran: compared by their last two parts (data_dir may differ)
+LOCATION_ARGUMENTS = ("output_dir", "train_file", "validation_file", "test_file")
+
+
+def recorded_runs(path: str, runs: dict) -> dict:
+    """{key: `RecordedRun`} for the runs of ``runs`` ({(variant, statistics, seed): Run}) that are not complete here
+    and that the table of record at ``path`` holds (by name). The record must come from the arguments these runs
+    have: its ``config`` (the arguments of one of its runs) must equal that run's here, the data files by name, and
+    each run it gives must have the same steps; otherwise a `UsageError` names the difference."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            record = json.load(handle)
+        held = {found["run"]: found for found in record["runs"]}
+        recorded_config = dict(record["config"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"--add_to_results {path}: not a table of record ({' '.join(str(error).split())})") from None
+    wanted = {key: run for key, run in runs.items() if not run.complete and run.name in held}
+    if not wanted:
+        return {}
+    by_folder = {os.path.basename(run.folder): run for run in runs.values()}
+    same = by_folder.get(os.path.basename(str(recorded_config.get("output_dir", ""))))
+    if same is None:
+        raise UsageError(f"--add_to_results {path}: its configuration is of no run planned here "
+                         f"({recorded_config.get('output_dir')})")
+
+    def compared(key: str, value):
+        return os.path.join(*str(value).split(os.sep)[-2:]) if key in LOCATION_ARGUMENTS and value else value
+
+    differences = [f"{key}: {recorded_config.get(key)!r} there, {same.arguments.get(key)!r} here"
+                   for key in sorted(set(recorded_config) | set(same.arguments))
+                   if key != "output_dir" and compared(key, recorded_config.get(key)) != compared(
+                       key, same.arguments.get(key))]
+    for key, run in wanted.items():
+        if held[run.name].get("steps") != run.arguments.get("max_steps"):
+            differences.append(f"{run.name}: {held[run.name].get('steps')} steps there, "
+                               f"{run.arguments.get('max_steps')} here")
+    if differences:
+        raise UsageError(f"--add_to_results {path} holds runs made with other arguments ({'; '.join(differences)})")
+    return {key: RecordedRun(run.name, run.script, run.arguments, recorded=held[run.name], source=record)
+            for key, run in wanted.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -119,6 +178,10 @@ def summary(run: Run, variant: str, normalization: str, seed: int) -> dict:
     }
     if normalization == "window":
         found["val_loss_leak_free"] = result.get("eval_leak_free_loss")
+    positions = {key.removeprefix("eval_position_loss_"): value for key, value in result.items()
+                 if key.startswith("eval_position_loss_")}
+    if positions:  # run_clm's --position_loss_buckets: {"<first>-<last>": loss}
+        found["position_loss"] = positions
     if taus:
         alphas = [value for key, value in gates.items() if key.endswith("/alpha")]
         found["gates"] = {"tau_mean": statistics.fmean(taus), "tau_std": statistics.pstdev(taus),
@@ -205,7 +268,9 @@ def write_report(benchmark: str, runs: dict, results_dir: str, name: str, title:
     from ..results import write_results
     from .plots import plot_validation_curves
 
-    summaries = [summary(run, *key) for key, run in runs.items()]
+    summaries = [dict(run.recorded) if isinstance(run, RecordedRun) else summary(run, *key)
+                 for key, run in runs.items()]
+    recorded = [run for run in runs.values() if isinstance(run, RecordedRun)]
     rows = comparison_rows(summaries, PAPER[benchmark], PAPER_GAP[benchmark])
     by_label = {}
     for found in summaries:
@@ -231,6 +296,10 @@ def write_report(benchmark: str, runs: dict, results_dir: str, name: str, title:
     characters = {}
     for (variant, normalization, seed), run in runs.items():
         if variant == "EGA-1" and seed == first_seed:
+            if isinstance(run, RecordedRun):  # its figures stay those the record was made with
+                if run.name in run.source.get("gate_by_character", {}):
+                    characters[run.name] = run.source["gate_by_character"][run.name]
+                continue
             characters[run.name] = gate_figures_and_characters(
                 run, f"{TITLES[benchmark]}, {label(variant, normalization)}", results_dir,
                 f"{name}_EGA-1-{normalization}_")
@@ -248,20 +317,42 @@ def write_report(benchmark: str, runs: dict, results_dir: str, name: str, title:
              "validation batches, each token from its prefix) against BASE's ordinary loss on the same batches: their "
              "ordinary loss sees future tokens. Paper: SPEC 1.4 (6 layers, C = 256, 5000 steps, one seed, window "
              f"statistics).\n\nPaired by seed (model and BASE share the seed):\n{paired_lines}\n")
+    extra = {}
+    if recorded:
+        sources = {}  # the command that trained each recorded run: the record's, or the one its record names
+        for run in recorded:
+            origin = next((entry for entry in run.source.get("recorded_runs", []) if run.name in entry["runs"]),
+                          run.source)
+            key = (origin.get("command"), origin.get("date"))
+            sources.setdefault(key, (origin, []))[1].append(run.name)
+        extra["recorded_runs"] = [{"runs": names, "command": source.get("command"), "date": source.get("date"),
+                                   "hardware": source.get("hardware")} for source, names in sources.values()]
+        notes += "".join(
+            f"\nRead from an earlier table of record, not trained by this command ({len(names)} runs: "
+            f"{', '.join(names)}): `{source.get('command')}`, {source.get('date')}, "
+            f"{(source.get('hardware') or {}).get('cpu_model', 'CPU not recorded')}; their figures are that "
+            "command's, and their minutes per run were measured on its machine.\n" for source, names in sources.values())
     columns = [column for column in COLUMNS if column != "test loss" or any(row["test loss"] for row in rows)]
     write_results(results_dir, name, rows, title=title, config=arguments, seeds=sorted({f["seed"] for f in summaries}),
                   notes=notes, columns=columns,
-                  extra={"paired_deltas": paired, "window_leak": leak, "gate_by_character": characters,
+                  extra={**extra, "paired_deltas": paired, "window_leak": leak, "gate_by_character": characters,
                          "runs": [{k: v for k, v in found.items() if k != "log_history"} for found in summaries]})
-    histories = {f"{label(found['variant'], found['normalization'])} seed {found['seed']}": found["log_history"]
+    # The figures, of the runs whose log is here (a record keeps no log): a figure that would lack some is not drawn
+    # unless it is the variants' one, drawn without them
+    histories = {f"{label(found['variant'], found['normalization'])} seed {found['seed']}": found.get("log_history")
                  for found in summaries}
     main = {key: history for key, history in histories.items()
             if key.split(" seed")[0] in ("BASE", "EGA-1 (causal)", "EGA-1 (window)")}
-    plot_validation_curves(main, "eval_loss", os.path.join(results_dir, f"{name}_validation_curves_main.png"),
-                           f"{TITLES[benchmark]}: BASE vs EGA-1, every seed")
-    plot_validation_curves({key: history for key, history in histories.items() if key.endswith(f"seed {first_seed}")},
-                           "eval_loss", os.path.join(results_dir, f"{name}_validation_curves_variants.png"),
-                           f"{TITLES[benchmark]}: every variant, seed {first_seed}")
+    if all(history is not None for history in main.values()):
+        plot_validation_curves(main, "eval_loss", os.path.join(results_dir, f"{name}_validation_curves_main.png"),
+                               f"{TITLES[benchmark]}: BASE vs EGA-1, every seed")
+    first = {key: history for key, history in histories.items() if key.endswith(f"seed {first_seed}")}
+    missing = [key for key, history in first.items() if history is None]
+    if len(missing) < len(first):
+        plot_validation_curves({key: history for key, history in first.items() if history is not None}, "eval_loss",
+                               os.path.join(results_dir, f"{name}_validation_curves_variants.png"),
+                               f"{TITLES[benchmark]}: every variant, seed {first_seed}"
+                               + (f" (not drawn, read from a record: {', '.join(missing)})" if missing else ""))
     return summaries
 
 

@@ -194,3 +194,77 @@ def save(fig, path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_delta_vs_context(deltas: dict, path: str, title: str) -> str:
+    """Δ against the context (log scale): per corpus (label -> [(context, paired delta)], a delta as
+    `experiments.paired_delta` gives it) the mean with the seeds' sample std as error bars, each seed faint."""
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    for index, (label, cells) in enumerate(deltas.items()):
+        cells = sorted(cells, key=lambda cell: cell[0])
+        offset = 1 + 0.04 * (index - (len(deltas) - 1) / 2)  # the corpora side by side at each context
+        contexts = [context * offset for context, _ in cells]
+        ax.errorbar(contexts, [delta["mean"] for _, delta in cells],
+                    yerr=[delta["std"] or 0.0 for _, delta in cells], color=f"C{index}", marker="o", capsize=4,
+                    label=f"{label} (mean ± std over seeds)")
+        for context, (_, delta) in zip(contexts, cells):
+            ax.scatter([context] * len(delta["per_seed"]), delta["per_seed"], color=f"C{index}", alpha=0.35, s=12)
+    ax.set_xscale("log", base=2)
+    every = sorted({context for cells in deltas.values() for context, _ in cells})
+    ax.set_xticks(every, [str(context) for context in every])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("Δ = BASE − EGA-1 validation loss (nats/char)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return save(fig, path)
+
+
+def plot_position_deltas(positions: dict, path: str, title: str, titles: dict | None = None) -> str:
+    """Per corpus, Δ by group of window positions, one line per context (``positions``: the cells of
+    `ega_context.comparison`, each {benchmark, context, groups: {"first-last": {"delta": ...}}}; ``titles``: a
+    panel title per corpus)."""
+    titles = titles or {}
+    benchmarks = list(dict.fromkeys(cell["benchmark"] for cell in positions.values()))
+    fig, axes = plt.subplots(1, len(benchmarks), figsize=(6.2 * len(benchmarks), 4.2), squeeze=False, sharey=True)
+    for ax, benchmark in zip(axes[0], benchmarks):
+        cells = sorted((cell for cell in positions.values() if cell["benchmark"] == benchmark),
+                       key=lambda cell: cell["context"])
+        for index, cell in enumerate(cells):
+            groups = sorted(((int(label.split("-")[0]), int(label.split("-")[1]), group["delta"])
+                             for label, group in cell["groups"].items() if group["delta"]))
+            if groups:
+                middle = [(first + last) / 2 for first, last, _ in groups]
+                ax.errorbar(middle, [delta["mean"] for *_, delta in groups],
+                            yerr=[delta["std"] or 0.0 for *_, delta in groups], marker="o", capsize=3,
+                            color=f"C{index}", label=f"context {cell['context']}")
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("position of the predicted token in the window (group middle)")
+        ax.set_title(titles.get(benchmark, benchmark), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0, 0].set_ylabel("Δ = BASE − EGA-1 (nats/char)")
+    fig.suptitle(title, fontsize=10)
+    return save(fig, path)
+
+
+def plot_tau_trajectories(trajectories: dict, reference: float | None, path: str, title: str) -> str:
+    """The mean τ over heads against the step (label -> [(step, mean, min, max)]), the heads' range as a band, and
+    a reference value (the paper's claim) dashed."""
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for index, (label, rows) in enumerate(trajectories.items()):
+        if not rows:
+            continue
+        steps, means, lows, highs = zip(*rows)
+        ax.plot(steps, means, color=f"C{index}", label=label)
+        ax.fill_between(steps, lows, highs, color=f"C{index}", alpha=0.15)
+    if reference is not None:
+        ax.axhline(reference, color="black", linestyle="--", linewidth=1, label=f"paper: τ → {reference}")
+    ax.set_xlabel("optimiser step")
+    ax.set_ylabel("τ (mean over layers and heads)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return save(fig, path)
