@@ -19,7 +19,8 @@ per bucket of --bucket_width (16) window positions (run_clm's --position_loss_bu
 The queue: seed 0 of every context and corpus, then the next seed, ..., then the τ runs, so that a stopped sweep has
 the most informative runs. Each run is a folder of <output_dir>/<corpus>/context<T>/ (τ runs: <output_dir>/tau/);
 finished runs are reused and interrupted ones resume, so the command can be rerun at any time. The tables are written
-from the runs complete so far, labelled partial until all are.
+from the runs complete so far, labelled partial until all are. --add_to_results results/ega_context/context_sweep.json
+goes on from the table of record on another machine: the runs it holds are read from it, not trained again.
 
 Any other option is run_clm's and applies to every run (e.g. --max_steps: to the sweep; the τ runs keep --tau_steps
 and --tau_warmup_steps).
@@ -95,6 +96,10 @@ def options(argv, prog: str) -> tuple:
     parser.add_argument("--tau_seed", type=int, default=0, help="seed of the τ runs (default: %(default)s)")
     parser.add_argument("--results_dir",
                         help="where the tables go (default results/ega_context; smoke: <output_dir>/results)")
+    parser.add_argument("--add_to_results", metavar="JSON",
+                        help="a context_sweep.json this driver wrote (results/ega_context/context_sweep.json): the "
+                             "sweep's runs it holds and --output_dir does not are read from it, not trained (they "
+                             "must have been made with the arguments planned here)")
     parser.add_argument("--aggregate_only", action="store_true",
                         help="only write the tables, from the runs complete so far")
     add_size_arguments(parser)
@@ -122,6 +127,15 @@ def options(argv, prog: str) -> tuple:
 def run(argv, prog: str) -> int:
     args, tokens, preset, output_dir, results_dir = options(argv, prog)
     sweep, taus, order = plan(args, tokens, preset, output_dir)
+    if args.add_to_results:  # the runs of a sweep spread over several sittings: those its record holds are not rerun
+        from .common import ega_context
+
+        recorded = ega_context.recorded_sweep_runs(args.add_to_results, sweep)
+        sweep.update(recorded)
+        names = {one.name for one in recorded.values()}
+        order = [one for one in order if one.name not in names]
+        for name in sorted(names):
+            print(f"recorded {name}: read from {args.add_to_results}")
     if not (args.dry_run or args.aggregate_only):
         for benchmark in dict.fromkeys(args.benchmarks + ([args.tau_corpus] if taus else [])):
             files = BENCHMARKS[benchmark].data_files(args.data_dir)

@@ -121,6 +121,33 @@ def test_smoke_builds_the_tables_from_the_runs_and_says_when_they_are_partial(ti
     assert partial["paired_deltas"]["tinyshakespeare context 32"]["seeds"] == [0]
     assert partial["rows"][0] == record["rows"][0]  # context 16: all its runs are there
     assert "**Partial**: 7 of 8" in (again / "context_sweep.md").read_text()
+    # --add_to_results: a sweep going on elsewhere from the table of record trains only what the record lacks
+    elsewhere = [argument if argument != str(out) else str(tmp_path / "elsewhere") for argument in arguments]
+    joined = elsewhere + ["--add_to_results", str(again / "context_sweep.json")]
+    assert reproduce_ega_context.main(joined + ["--dry_run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len([line for line in lines if line.startswith("recorded ")]) == 7
+    assert [line.split(":")[0] for line in lines if line.startswith("pending ")] == [
+        "pending tinyshakespeare-context32-BASE-seed1", "pending tau+1-tinyshakespeare-context16-EGA-1-causal-seed0"]
+    third = tmp_path / "third"
+    assert reproduce_ega_context.main(joined + ["--aggregate_only", "--results_dir", str(third)]) == 0
+    read = json.loads((third / "context_sweep.json").read_text())
+    assert read["rows"] == partial["rows"] and read["paired_deltas"] == partial["paired_deltas"]
+    assert read["recorded_runs"][0]["command"] == partial["command"] and len(read["recorded_runs"][0]["runs"]) == 7
+    assert all(found["arguments"]["max_steps"] == 4 for found in read["runs"])  # kept for the next record
+    # a record made with other arguments is refused, naming the difference
+    assert reproduce_ega_context.main(joined + ["--dry_run", "--learning_rate", "0.5"]) == 2
+    assert "other arguments (tinyshakespeare-context16-BASE-seed0: learning_rate: 0.0003 there, 0.5 here" in (
+        capsys.readouterr().err)
+    # a record of the first sweep (no arguments per run) is checked by its configuration and each run's settings
+    for found in partial["runs"]:
+        found.pop("arguments")
+    (third / "older.json").write_text(json.dumps(partial))
+    older = elsewhere + ["--add_to_results", str(third / "older.json"), "--dry_run"]
+    assert reproduce_ega_context.main(older) == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("recorded ")]) == 7
+    assert reproduce_ega_context.main(older + ["--max_steps", "5"]) == 2
+    assert "max_steps: 4 there, 5 here" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arguments, message", [

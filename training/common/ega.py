@@ -115,6 +115,18 @@ class RecordedRun(Run):
 LOCATION_ARGUMENTS = ("output_dir", "train_file", "validation_file", "test_file")
 
 
+def argument_differences(recorded: dict, planned: dict, ignore: tuple = ()) -> list:
+    """"<key>: <recorded> there, <planned> here" for every argument in which a recorded run differs from one planned
+    here; the paths of `LOCATION_ARGUMENTS` compared by their last two parts (the data folder may differ)."""
+
+    def compared(key: str, value):
+        return os.path.join(*str(value).split(os.sep)[-2:]) if key in LOCATION_ARGUMENTS and value else value
+
+    return [f"{key}: {recorded.get(key)!r} there, {planned.get(key)!r} here"
+            for key in sorted(set(recorded) | set(planned))
+            if key not in ignore and compared(key, recorded.get(key)) != compared(key, planned.get(key))]
+
+
 def recorded_runs(path: str, runs: dict) -> dict:
     """{key: `RecordedRun`} for the runs of ``runs`` ({(variant, statistics, seed): Run}) that are not complete here
     and that the table of record at ``path`` holds (by name). The record must come from the arguments these runs
@@ -136,13 +148,7 @@ def recorded_runs(path: str, runs: dict) -> dict:
         raise UsageError(f"--add_to_results {path}: its configuration is of no run planned here "
                          f"({recorded_config.get('output_dir')})")
 
-    def compared(key: str, value):
-        return os.path.join(*str(value).split(os.sep)[-2:]) if key in LOCATION_ARGUMENTS and value else value
-
-    differences = [f"{key}: {recorded_config.get(key)!r} there, {same.arguments.get(key)!r} here"
-                   for key in sorted(set(recorded_config) | set(same.arguments))
-                   if key != "output_dir" and compared(key, recorded_config.get(key)) != compared(
-                       key, same.arguments.get(key))]
+    differences = argument_differences(recorded_config, same.arguments, ignore=("output_dir",))
     for key, run in wanted.items():
         if held[run.name].get("steps") != run.arguments.get("max_steps"):
             differences.append(f"{run.name}: {held[run.name].get('steps')} steps there, "
@@ -261,6 +267,27 @@ def gate_figures_and_characters(run: Run, title: str, figures: str, prefix: str)
             "highest_gate": [[name(token), round(value, 4)] for value, token in ranked[::-1][:8]]}
 
 
+def recorded_provenance(recorded: list) -> tuple:
+    """({"recorded_runs": [{runs, command, date, hardware}]}, the notes' lines saying so) for the `RecordedRun`s of a
+    table: the command that trained each, the record's or the one its own record names; ({}, "") when none."""
+    if not recorded:
+        return {}, ""
+    sources = {}
+    for run in recorded:
+        origin = next((entry for entry in run.source.get("recorded_runs", []) if run.name in entry["runs"]),
+                      run.source)
+        key = (origin.get("command"), origin.get("date"))
+        sources.setdefault(key, (origin, []))[1].append(run.name)
+    extra = {"recorded_runs": [{"runs": names, "command": source.get("command"), "date": source.get("date"),
+                                "hardware": source.get("hardware")} for source, names in sources.values()]}
+    notes = "".join(
+        f"\nRead from an earlier table of record, not trained by this command ({len(names)} runs: "
+        f"{', '.join(names)}): `{source.get('command')}`, {source.get('date')}, "
+        f"{(source.get('hardware') or {}).get('cpu_model', 'CPU not recorded')}; their figures are that "
+        "command's, and their minutes per run were measured on its machine.\n" for source, names in sources.values())
+    return extra, notes
+
+
 def write_report(benchmark: str, runs: dict, results_dir: str, name: str, title: str) -> list:
     """``<results_dir>/<name>.{json,md}``: the comparison of the finished ``runs`` ({(variant, statistics, seed):
     Run}), with the paired deltas, the leak of window statistics and the gates' characters; validation curves, and
@@ -317,21 +344,8 @@ def write_report(benchmark: str, runs: dict, results_dir: str, name: str, title:
              "validation batches, each token from its prefix) against BASE's ordinary loss on the same batches: their "
              "ordinary loss sees future tokens. Paper: SPEC 1.4 (6 layers, C = 256, 5000 steps, one seed, window "
              f"statistics).\n\nPaired by seed (model and BASE share the seed):\n{paired_lines}\n")
-    extra = {}
-    if recorded:
-        sources = {}  # the command that trained each recorded run: the record's, or the one its record names
-        for run in recorded:
-            origin = next((entry for entry in run.source.get("recorded_runs", []) if run.name in entry["runs"]),
-                          run.source)
-            key = (origin.get("command"), origin.get("date"))
-            sources.setdefault(key, (origin, []))[1].append(run.name)
-        extra["recorded_runs"] = [{"runs": names, "command": source.get("command"), "date": source.get("date"),
-                                   "hardware": source.get("hardware")} for source, names in sources.values()]
-        notes += "".join(
-            f"\nRead from an earlier table of record, not trained by this command ({len(names)} runs: "
-            f"{', '.join(names)}): `{source.get('command')}`, {source.get('date')}, "
-            f"{(source.get('hardware') or {}).get('cpu_model', 'CPU not recorded')}; their figures are that "
-            "command's, and their minutes per run were measured on its machine.\n" for source, names in sources.values())
+    extra, provenance = recorded_provenance(recorded)
+    notes += provenance
     columns = [column for column in COLUMNS if column != "test loss" or any(row["test loss"] for row in rows)]
     write_results(results_dir, name, rows, title=title, config=arguments, seeds=sorted({f["seed"] for f in summaries}),
                   notes=notes, columns=columns,

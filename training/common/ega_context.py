@@ -10,10 +10,12 @@ predictions. Only complete runs are read; while some are missing the tables say 
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 
 from . import ega
+from .cli import UsageError
 from .experiments import mean_std, paired_delta, pm
 
 PAPER_TAU = 0.35  # SPEC 1.4: "τ converges to ≈ 0.35"
@@ -66,10 +68,58 @@ def tau_trajectory(history: list) -> list:
     return rows
 
 
+def recorded_sweep_runs(path: str, sweep: dict) -> dict:
+    """{key: `ega.RecordedRun`} for the runs of ``sweep`` not complete here that the ``context_sweep.json`` at
+    ``path`` holds (by name), so that a sweep spread over several machines or sittings goes on from the table of
+    record. Each must have been made with the arguments planned here: a run the record gives its arguments is
+    compared argument by argument; for a run of an earlier record without them, the record's configuration (the
+    arguments of its first run) is compared with that run's here, and the run's corpus, context, batch, steps, arm and
+    seed with its own. Otherwise a `UsageError` names the difference."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            record = json.load(handle)
+        held = {found["run"]: found for found in record["runs"]}
+        recorded_config = dict(record["config"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"--add_to_results {path}: not a table of record ({' '.join(str(error).split())})") from None
+    wanted = {key: run for key, run in sweep.items() if not run.complete and run.name in held}
+    differences = []
+    if any("arguments" not in held[run.name] for run in wanted.values()):
+        def tail(folder: str) -> tuple:
+            return tuple(str(folder).split(os.sep)[-3:])
+
+        same = next((run for run in sweep.values() if tail(run.folder) == tail(recorded_config.get("output_dir"))),
+                    None)
+        if same is None:
+            raise UsageError(f"--add_to_results {path}: its configuration is of no run planned here "
+                             f"({recorded_config.get('output_dir')})")
+        differences += ega.argument_differences(recorded_config, same.arguments, ignore=("output_dir",))
+    for (benchmark, context, variant, normalization, seed), run in wanted.items():
+        entry = held[run.name]
+        if "arguments" in entry:
+            differences += [f"{run.name}: {difference}" for difference in ega.argument_differences(
+                entry["arguments"], run.arguments)]
+            continue
+        planned = {"benchmark": benchmark, "context": context, "variant": variant, "normalization": normalization,
+                   "seed": seed, "steps": run.arguments["max_steps"],
+                   "batch_size": run.arguments["per_device_train_batch_size"]}
+        differences += [f"{run.name}: {key} {entry.get(key)!r} there, {value!r} here"
+                        for key, value in planned.items() if entry.get(key) != value]
+    if differences:
+        raise UsageError(f"--add_to_results {path} holds runs made with other arguments ({'; '.join(differences)})")
+    return {key: ega.RecordedRun(run.name, run.script, run.arguments, recorded=held[run.name], source=record)
+            for key, run in wanted.items()}
+
+
 def sweep_summaries(sweep: dict) -> list:
     summaries = []
     for (benchmark, context, variant, normalization, seed), run in sweep.items():
         if not run.complete:
+            continue
+        if isinstance(run, ega.RecordedRun):  # read from a table of record: its summary, as that table wrote it
+            found = {key: value for key, value in run.recorded.items() if key != "arguments"}
+            found.update(arguments=run.arguments)
+            summaries.append(found)
             continue
         found = ega.summary(run, variant, normalization, seed)
         found.update(benchmark=benchmark, context=context, arguments=run.arguments, batch_size=run.arguments["per_device_train_batch_size"],
@@ -275,6 +325,8 @@ def write_report(sweep: dict, taus: dict, results_dir: str, preset: str, tau_cor
         rows, paired, positions = comparison(summaries)
         trends = trend(rows)
         status = "" if complete == planned else f" (partial: {complete} of {planned} runs complete)"
+        extra, provenance = ega.recorded_provenance([run for run in sweep.values()
+                                                     if isinstance(run, ega.RecordedRun)])
         first = min(summaries, key=lambda found: (found["context"], found["seed"]))
         arguments = first["arguments"]
         contexts = sorted({found["context"] for found in summaries})
@@ -290,15 +342,16 @@ def write_report(sweep: dict, taus: dict, results_dir: str, preset: str, tau_cor
             "layers and heads of EGA-1's learned threshold at the end (initial 0)."
             + (f"\n\n**Partial**: {complete} of {planned} planned runs are complete; the others are left out."
                if status else "")
+            + provenance
             + "\n\n### Does Δ grow with the context? (per corpus; Δ per seed against log2 context)\n\n"
             + trend_table(trends) + "\n" + position_table(positions))
         write_results(results_dir, "context_sweep", rows, title=f"EGA-1 vs BASE by context length{status}",
                       config=arguments, seeds=sorted({found["seed"] for found in summaries}), notes=notes,
                       columns=COLUMNS,
-                      extra={"complete_runs": complete, "planned_runs": planned, "contexts": contexts,
+                      extra={**extra, "complete_runs": complete, "planned_runs": planned, "contexts": contexts,
                              "paired_deltas": paired, "trend": trends, "position_deltas": positions,
-                             "runs": [{key: value for key, value in found.items()
-                                       if key not in ("log_history", "arguments")} for found in summaries]})
+                             "runs": [{key: value for key, value in found.items() if key != "log_history"}
+                                      for found in summaries]})
         deltas = {}
         for row in rows:
             if row["delta"]:
