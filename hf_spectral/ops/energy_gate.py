@@ -193,6 +193,14 @@ def normalize_energy(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def log_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """log σ(x) as −softplus(−x): in torch within one float32 rounding of F.logsigmoid (relative 2e-7), and it
+    exports to ONNX's Softplus, which onnxruntime computes stably, where the export of F.logsigmoid loses digits far
+    from 0 (2e-5 in the logits of a window-statistics gate). Exactly 0 − 0 at α = 0, as before: a fresh gate stays
+    the identity."""
+    return -F.softplus(-x)
+
+
 def log_gate_bias(
     z: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, mix_logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,8 +219,8 @@ def log_gate_bias(
     """
     if z.shape[-2] == 1:  # one scale: the mixture is the gate itself, and α = 0 gives logsigmoid(±0) twice: bias 0
         alpha, tau = as_dtype(alpha, z.dtype), as_dtype(tau, z.dtype)  # (H, 1), broadcasting against (B, H, T)
-        log_gate = F.logsigmoid(alpha * (z[:, :, 0] - tau))
-        bias = log_gate - F.logsigmoid(alpha * -tau)
+        log_gate = log_sigmoid(alpha * (z[:, :, 0] - tau))
+        bias = log_gate - log_sigmoid(alpha * -tau)
         if torch.is_grad_enabled() and mix_logits.requires_grad:
             # log_softmax of one logit is exactly 0 (x − x): the bias keeps its bits, and the mixing logit stays in
             # the graph with its zero gradient, which DistributedDataParallel (find_unused_parameters=False) needs.
@@ -220,8 +228,8 @@ def log_gate_bias(
         return bias, log_gate.exp()
     alpha, tau = as_dtype(alpha, z.dtype)[..., None], as_dtype(tau, z.dtype)[..., None]  # (H, S, 1)
     log_mix = torch.log_softmax(as_dtype(mix_logits, z.dtype), dim=-1)[..., None]
-    log_gate = torch.logsumexp(log_mix + F.logsigmoid(alpha * (z - tau)), dim=-2)  # (B, H, T)
-    log_gate_at_mean = torch.logsumexp(log_mix + F.logsigmoid(alpha * -tau), dim=-2)  # (H, 1)
+    log_gate = torch.logsumexp(log_mix + log_sigmoid(alpha * (z - tau)), dim=-2)  # (B, H, T)
+    log_gate_at_mean = torch.logsumexp(log_mix + log_sigmoid(alpha * -tau), dim=-2)  # (H, 1)
     bias = log_gate - log_gate_at_mean
     identity = (alpha == 0).all(dim=-2)  # (H, 1): every scale of the head has α = 0
     return bias - bias.detach() * identity, log_gate.exp()

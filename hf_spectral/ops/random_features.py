@@ -84,10 +84,12 @@ def causal_kernel_attention(
     width = values.shape[-1] + 1
     dtype = torch.promote_types(at_least_float32(values).dtype, phi_k.dtype)
     state = phi_k.new_zeros(batch, features, width, dtype=dtype) if past_state is None else past_state.to(dtype)
-    chunks = -(-length // chunk_size)
-    padded = chunks * chunk_size - length
     phi_q, phi_k = phi_q.to(dtype), phi_k.to(dtype)
     augmented = torch.cat([values.to(dtype), phi_k.new_ones(batch, length, 1)], dim=-1)
+    if document_positions is None and not isinstance(length, int) and torch.compiler.is_exporting():
+        return _running_sums_kernel_attention(phi_q, phi_k, augmented, state, eps, values.dtype)
+    chunks = -(-length // chunk_size)
+    padded = chunks * chunk_size - length
     if padded:
         phi_q, phi_k, augmented = (F.pad(t, (0, 0, 0, padded)) for t in (phi_q, phi_k, augmented))
     phi_q = phi_q.view(batch, chunks, chunk_size, features)
@@ -107,6 +109,17 @@ def causal_kernel_attention(
         summed = phi_q @ before_chunk + scores.masked_fill(~causal, 0.0) @ augmented
     out = _read_out(summed.view(batch, chunks * chunk_size, width)[:, :length], eps)
     return out.to(values.dtype), state + running[:, -1]
+
+
+def _running_sums_kernel_attention(phi_q, phi_k, augmented, state, eps, dtype):
+    """`causal_kernel_attention` with a running sum per token, (B, T, R, d + 1) memory, for torch.export with a
+    dynamic length: a count of chunks is a floor division of the length, which export's shape checks cannot keep
+    symbolic (they specialise the program to one count of chunks), and the same sums computed in another order agree
+    with the chunked ones to rounding."""
+    with full_precision(augmented):
+        running = torch.cumsum(phi_k[..., :, None] * augmented[..., None, :], dim=1) + state[:, None]  # (B, T, R, W)
+        summed = (phi_q[..., None, :] @ running).squeeze(-2)
+    return _read_out(summed, eps).to(dtype), running[:, -1]
 
 
 def _documents_kernel_attention(

@@ -108,13 +108,19 @@ def routed_layout(selected: torch.Tensor, capacity: int) -> tuple[torch.Tensor, 
     """Where the routed tokens of each row go in a gathered (B, capacity) layout.
 
     selected (B, T) bool -> (index (B, C) long, valid (B, C) bool), C = ``capacity`` ≤ T. Row b lists its selected
-    positions first, in position order (a stable sort), then its other positions: ``index[b, i]`` is the position of
+    positions first, in position order, then its other positions, in position order: ``index[b, i]`` is the position of
     the i-th routed token of row b for i < count_b = Σ_t selected[b, t], and ``valid[b, i] = i < count_b``. With
     C = T nothing can be lost; a smaller C must be at least max_b count_b (the caller's promise: it is not checked,
     which would synchronise with the host).
     """
-    order = torch.argsort(selected.logical_not().to(torch.int8), dim=1, stable=True)[:, :capacity]
+    # Each position's slot from prefix counts, not a stable sort: the same order, and it exports (ONNX has no stable
+    # sort); the first C slots are kept.
     counts = selected.sum(1, keepdim=True)
+    selected_slot = selected.cumsum(1) - 1
+    other_slot = counts + (~selected).cumsum(1) - 1
+    slot = torch.where(selected, selected_slot, other_slot)
+    positions = torch.arange(selected.shape[1], device=selected.device).expand_as(slot)
+    order = torch.empty_like(slot).scatter_(1, slot, positions)[:, :capacity]
     valid = torch.arange(capacity, device=selected.device)[None] < counts
     return order, valid
 

@@ -44,26 +44,30 @@ def cached_dct_matrix(size: int, dtype: torch.dtype, device: torch.device) -> to
     return _cached_dct_matrix(size, dtype, device)
 
 
-def _dct_twiddle(size: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _dct_twiddle(size: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation e^{−iπk/2N} times the orthonormal scale, as its real and imaginary parts (N,) each. Real tensors
+    only, outside the FFT itself: ONNX has no complex tensors, and its exporter carries an FFT's output as
+    (real, imaginary) pairs (torch.view_as_real), which is how these functions read it."""
     k = torch.arange(size, dtype=torch.float64, device=device)
     scale = torch.full((size,), math.sqrt(2.0 / size), dtype=torch.float64, device=device)
     scale[0] = math.sqrt(1.0 / size)
-    return (torch.polar(torch.ones_like(k), -math.pi * k / (2 * size)) * scale).to(
-        torch.complex128 if dtype == torch.float64 else torch.complex64
-    )
+    angle = -math.pi * k / (2 * size)
+    return (torch.cos(angle) * scale).to(dtype), (torch.sin(angle) * scale).to(dtype)
 
 
 def dct_fft(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal DCT-II through one length-N complex FFT (Makhoul 1980): reorder x as [x₀, x₂, …, x₃, x₁],
-    FFT, rotate by e^{−iπk/2N} and scale. Same result as ``x @ dct_matrix(N).T`` up to rounding. 16-bit inputs are
-    transformed in float32 (torch's FFT takes no bfloat16, and float16 only for powers of two on CUDA)."""
+    FFT, rotate by e^{−iπk/2N} and scale (the real part). Same result as ``x @ dct_matrix(N).T`` up to rounding.
+    16-bit inputs are transformed in float32 (torch's FFT takes no bfloat16, and float16 only for powers of two on
+    CUDA)."""
     size = x.shape[-1]
     if x.numel() == 0:  # MKL's FFT rejects empty batches (e.g. no token routed to DCT mixing)
         return x.clone()
     work = at_least_float32(x)
     reordered = torch.cat([work[..., ::2], work[..., 1::2].flip(-1)], dim=-1)
-    spectrum = torch.fft.fft(reordered, dim=-1)
-    return (spectrum * _dct_twiddle(size, work.dtype, x.device)).real.to(x.dtype)
+    spectrum = torch.view_as_real(torch.fft.fft(reordered, dim=-1))  # (..., N, 2)
+    cos, sin = _dct_twiddle(size, work.dtype, x.device)
+    return (spectrum[..., 0] * cos - spectrum[..., 1] * sin).to(x.dtype)
 
 
 def idct_fft(X: torch.Tensor) -> torch.Tensor:
@@ -73,11 +77,15 @@ def idct_fft(X: torch.Tensor) -> torch.Tensor:
     if X.numel() == 0:
         return X.clone()
     work = at_least_float32(X)
-    twiddle = _dct_twiddle(size, work.dtype, X.device)
-    # Rebuild the Hermitian-symmetric spectrum V_k = (X_k − i X_{N−k}) / twiddle_k with X_N = 0.
+    cos, sin = _dct_twiddle(size, work.dtype, X.device)
+    # Rebuild the Hermitian-symmetric spectrum V_k = (X_k − i X_{N−k}) / twiddle_k with X_N = 0; 1 / twiddle_k is
+    # conj(twiddle_k) / |twiddle_k|², |twiddle_k| being the scale.
     mirrored = torch.cat([torch.zeros_like(work[..., :1]), work[..., 1:].flip(-1)], dim=-1)
-    spectrum = torch.complex(work, -mirrored) / twiddle
-    reordered = torch.fft.ifft(spectrum, dim=-1).real.to(X.dtype)
+    magnitude = cos * cos + sin * sin
+    real = (work * cos - mirrored * sin) / magnitude
+    imaginary = -(work * sin + mirrored * cos) / magnitude
+    spectrum = torch.view_as_complex(torch.stack([real, imaginary], dim=-1))
+    reordered = torch.view_as_real(torch.fft.ifft(spectrum, dim=-1))[..., 0].to(X.dtype)
     x = torch.empty_like(X)
     half = (size + 1) // 2
     x[..., ::2] = reordered[..., :half]
