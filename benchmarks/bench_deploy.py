@@ -26,6 +26,7 @@ a shape the export never saw.
 import argparse
 import copy
 import io
+import json
 import os
 import re
 import shlex
@@ -101,11 +102,11 @@ def main(argv=None):
             print({key: value for key, value in row.items() if value is not None}, flush=True)
 
     notes = describe(rows, hidden, layers, heads, context, steps, eval_batch.shape, len(tokenizer), args.threads)
-    write_results(
+    json_path, md_path = write_results(
         args.out, "deploy_quick" if args.quick else "deploy", rows,
         title="Deployment paths vs fp32 torch eager, same run",
-        columns=["model", "path", "works", "loss", "delta_loss", "max_abs_delta_logit", "size_mib",
-                 "speed_vs_fp32_eager", "error"],
+        columns=["model", "path", "works", "loss", "delta_loss", "max_abs_delta_logit", "routes_changed",
+                 "size_mib", "speed_vs_fp32_eager", "error"],
         config={"hidden_size": hidden, "layers": layers, "heads": heads, "context": context, "train_steps": steps,
                 "train_batch": TRAIN_BATCH, "eval_batch": list(eval_batch.shape), "vocab_size": len(tokenizer),
                 "threads": args.threads, "repeats": repeats, "models": args.models,
@@ -114,6 +115,11 @@ def main(argv=None):
         # called with arguments (a test): those, as the command that would give the same run
         command=None if argv is None else " ".join(["python", "benchmarks/bench_deploy.py", *map(shlex.quote, argv)]),
     )
+    # The table as docs/deploy.md carries it (small differences in powers of ten, which the table above rounds)
+    with open(json_path, encoding="utf-8") as handle:
+        table = docs_table(json.load(handle))
+    with open(md_path, "a", encoding="utf-8") as handle:
+        handle.write(f"\n## The table in docs/deploy.md\n\n{table}\n")
     print(notes)
 
 
@@ -183,15 +189,18 @@ def measure_paths(name, model, batch, threads, repeats) -> list[dict]:
     with torch.inference_mode():
         reference = model(input_ids=batch, use_cache=False).logits.float()
     reference_loss = next_token_loss(reference, batch)
+    routed = name == "chiar-former"
     forwards = {"fp32-eager": eager_forward(model, batch)}
     rows = {"fp32-eager": {"loss": reference_loss, "size_mib": state_dict_mib(model)}}
     with tempfile.TemporaryDirectory() as folder:
         for path in PATHS[1:]:
             try:
-                forward, size = PREPARE[path](model, batch, folder, threads)
+                forward, size, variant = PREPARE[path](model, batch, folder, threads)
                 logits = torch.as_tensor(forward()).float()
                 rows[path] = {"loss": next_token_loss(logits, batch), "size_mib": size,
                               "max_abs_delta_logit": float((logits - reference).abs().max())}
+                if routed and variant is not None:
+                    rows[path]["routes_changed"] = routes_changed(model, variant, batch)
                 forwards[path] = forward
             except Exception as error:  # a failing path is a result: recorded, and the others go on
                 rows[path] = {"error": error_summary(error)}
@@ -207,9 +216,20 @@ def measure_paths(name, model, batch, threads, repeats) -> list[dict]:
             "max_abs_delta_logit": 0.0 if path == "fp32-eager" else row.get("max_abs_delta_logit"),
             "size_mib": row.get("size_mib"),
             "speed_vs_fp32_eager": speed_ratio(times, path, "fp32-eager") if works else None,
+            "routes_changed": 0.0 if path == "fp32-eager" and routed else row.get("routes_changed"),
             "error": row.get("error"),
         })
     return table
+
+
+def routes_changed(model, variant, batch) -> float:
+    """The share of (token, routed layer) decisions of CHIAR-Former that ``variant`` takes otherwise than the fp32
+    model. Routing thresholds a token's spectral entropy: rounding moves the tokens near a threshold to the other
+    operator, whose output differs by far more than the rounding (the paths' largest logit differences)."""
+    with torch.inference_mode():
+        ours = model(input_ids=batch, use_cache=False, output_routing=True).routing_decisions
+        theirs = variant(input_ids=batch, use_cache=False, output_routing=True).routing_decisions
+    return float(torch.cat([(a != b).flatten() for a, b in zip(ours, theirs)]).float().mean())
 
 
 def error_summary(error: BaseException) -> str:
@@ -266,7 +286,7 @@ def prepare_onnx(model, batch, folder, threads):
     options.intra_op_num_threads = options.inter_op_num_threads = threads
     session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     feed = {"input_ids": batch.numpy()}
-    return (lambda: session.run(["logits"], feed)[0]), size
+    return (lambda: session.run(["logits"], feed)[0]), size, None
 
 
 def prepare_int8_dynamic(model, batch, folder, threads):
@@ -278,7 +298,7 @@ def prepare_int8_dynamic(model, batch, folder, threads):
                                                            dtype=torch.qint8)
     if not any(type(module).__module__.startswith("torch.ao.nn.quantized") for module in quantized.modules()):
         raise RuntimeError("quantize_dynamic replaced no nn.Linear")
-    return eager_forward(quantized, batch), state_dict_mib(quantized)
+    return eager_forward(quantized, batch), state_dict_mib(quantized), quantized
 
 
 def prepare_torchao(model, batch, folder, threads):
@@ -287,16 +307,45 @@ def prepare_torchao(model, batch, folder, threads):
 
     quantized = copy.deepcopy(model)
     quantize_(quantized, Int8WeightOnlyConfig())  # every nn.Linear's weight int8, per output channel
-    return eager_forward(quantized, batch), state_dict_mib(quantized)
+    return eager_forward(quantized, batch), state_dict_mib(quantized), quantized
 
 
 def prepare_bf16(model, batch, folder, threads):
     halved = copy.deepcopy(model).to(torch.bfloat16)
-    return eager_forward(halved, batch), state_dict_mib(halved)
+    return eager_forward(halved, batch), state_dict_mib(halved), halved
 
 
 PREPARE = {"onnxruntime": prepare_onnx, "int8-dynamic": prepare_int8_dynamic,
            "torchao-int8-weight-only": prepare_torchao, "bf16": prepare_bf16}
+
+
+def docs_table(record: dict) -> str:
+    """The table of docs/deploy.md from a results record (the test checks the page against the committed record):
+    one row per model and path, then the failing paths' errors and the command, date and CPU of the run."""
+    def number(value, form):
+        return "—" if value is None else format(value, form)
+
+    lines = ["| model | path | works | Δloss (nats/char) | max \\|Δlogit\\| | routes changed | size (MiB) | "
+             "speed vs fp32 eager |", "|---|---|---|---|---|---|---|---|"]
+    for row in record["rows"]:
+        lines.append(f"| {row['model']} | {row['path']} | {row['works']} | {number(row['delta_loss'], '+.1e')} | "
+                     f"{number(row['max_abs_delta_logit'], '.1e')} | {number(row.get('routes_changed'), '.1%')} | "
+                     f"{number(row['size_mib'], '.2f')} | "
+                     f"{number(row['speed_vs_fp32_eager'], '.2f')}{'' if row['speed_vs_fp32_eager'] is None else '×'} |")
+    failing = [f"- {row['model']} / {row['path']}: `{row['error']}`" for row in record["rows"] if row["works"] == "no"]
+    hardware = record["hardware"]
+    config = record["config"]
+    return "\n".join([
+        *lines, "",
+        *(["Failing paths:", "", *failing, ""] if failing else []),
+        f"Run: `{record['command']}`, {record['date']}; {hardware.get('cpu_model', hardware['processor'])} "
+        f"({hardware['cpu_count']} cores, {config['threads']} thread(s)), torch {hardware['torch']}, transformers "
+        f"{hardware['transformers']}, " + ", ".join(f"{name} {version}" for name, version in config["versions"].items())
+        + f"; seed {record['seeds'][0]}, {config['train_steps']} training steps, evaluation batch "
+        f"{config['eval_batch'][0]} × {config['eval_batch'][1]} characters; fp32 eager loss "
+        + ", ".join(f"{row['model']} {row['loss']:.3f}" for row in record["rows"] if row["path"] == "fp32-eager")
+        + ".",
+    ])
 
 
 def library_versions() -> dict:
@@ -320,7 +369,9 @@ def describe(rows, hidden, layers, heads, context, steps, eval_shape, vocab_size
         + ", ".join(f"{model} {loss:.4f}" for model, loss in losses.items())
         + " nats per character.\n\n"
         "`delta_loss`: loss of the path − fp32 eager loss (nats per character); `max_abs_delta_logit`: the largest "
-        "|logit difference| over the batch; `size_mib`: torch.save of the state dict, or the .onnx file; "
+        "|logit difference| over the batch; `routes_changed` (CHIAR-Former, torch paths): the share of its "
+        "(token, routed layer) decisions taken otherwise than in fp32 (a token near a threshold changes operator, "
+        "hence the large logit differences where the loss barely moves); `size_mib`: torch.save of the state dict, or the .onnx file; "
         f"`speed_vs_fp32_eager`: throughput ratio from CPU time ({threads} thread(s)), "
         "> 1 is faster; these move by several points between runs and CPUs, the deltas by their last digits.\n\n"
         "Paths: ONNX via `torch.onnx.export(..., dynamo=True)` with dynamic batch and sequence length, run by "

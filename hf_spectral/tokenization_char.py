@@ -20,10 +20,10 @@ class CharTokenizer(PreTrainedTokenizer):
 
     The vocabulary is the sorted set of characters of a corpus (``from_text`` / ``from_text_file``), so that
     TinyShakespeare's characters take the 65 ids 0-64 used in the papers. Special tokens are appended after the
-    characters: ``from_text`` adds an end-of-sequence token ``<eos>`` and a padding token ``<pad>`` by default
-    (``add_eos_and_pad=False`` leaves them out), so that batched generation, transformers' pipelines and lm-eval's
-    scoring work; the constructor adds only the special tokens it is given. No token is inserted into encoded text:
-    like GPT-2's tokenizer, ``tokenizer(text)`` gives the characters' ids only.
+    characters: ``from_text`` adds a padding token ``<pad>`` and an end-of-sequence token ``<eos>`` by default, in
+    this order (``add_eos_and_pad=False`` leaves them out), so that batched generation, transformers' pipelines
+    and lm-eval's scoring work; the constructor adds only the special tokens it is given. No token is inserted
+    into encoded text: like GPT-2's tokenizer, ``tokenizer(text)`` gives the characters' ids only.
 
     Args:
         vocab_file (`str`): JSON file mapping each character to its id.
@@ -56,8 +56,8 @@ class CharTokenizer(PreTrainedTokenizer):
     def from_text(cls, text: str, save_directory: str, add_eos_and_pad: bool = True, **kwargs) -> "CharTokenizer":
         """Build the vocabulary from the characters of ``text``; the vocab file is written to ``save_directory``.
 
-        With ``add_eos_and_pad`` (the default), ``eos_token`` and ``pad_token`` default to ``DEFAULT_EOS_TOKEN`` and
-        ``DEFAULT_PAD_TOKEN``, ids after the characters (and after ``unk_token``, when given); passing either one
+        With ``add_eos_and_pad`` (the default), ``pad_token`` and ``eos_token`` default to ``DEFAULT_PAD_TOKEN`` and
+        ``DEFAULT_EOS_TOKEN``, the ids after the characters (and after ``unk_token``, when given); passing either one
         (``None`` to leave that one out) overrides its default. ``add_eos_and_pad=False``: no special token but
         those passed, the vocabulary of the characters alone (as tokenizers built before these defaults).
         """

@@ -53,3 +53,9 @@ def test_quantized_and_bf16_paths_work_and_change_the_loss_a_little(record, mode
         assert rows[path]["works"] == "yes", rows[path]["error"]
         assert 0 < rows[path]["max_abs_delta_logit"] and abs(rows[path]["delta_loss"]) <= LOSSY_LOSS_TOLERANCE
     assert rows["bf16"]["size_mib"] < 0.6 * rows["fp32-eager"]["size_mib"]
+    # CHIAR-Former's torch paths also say how many routing decisions rounding changed; the others have no routing
+    routed = [rows[path]["routes_changed"] for path in ("fp32-eager", "int8-dynamic", "torchao-int8-weight-only", "bf16")]
+    if model == "chiar-former":
+        assert routed[0] == 0.0 and all(0.0 <= share <= 1.0 for share in routed)
+    else:
+        assert routed == [None] * 4
