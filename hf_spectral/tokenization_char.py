@@ -10,14 +10,20 @@ import os
 from transformers import PreTrainedTokenizer
 
 VOCAB_FILES_NAMES = {"vocab_file": "vocab.json"}
+# The special tokens `CharTokenizer.from_text` adds by default (as the recipes' "<unk>", not a character of a text)
+DEFAULT_EOS_TOKEN = "<eos>"
+DEFAULT_PAD_TOKEN = "<pad>"
 
 
 class CharTokenizer(PreTrainedTokenizer):
     """A character-level `PreTrainedTokenizer`.
 
     The vocabulary is the sorted set of characters of a corpus (``from_text`` / ``from_text_file``), so that
-    TinyShakespeare gives the 65 ids used in the papers. Special tokens are optional; when given (e.g. a
-    ``pad_token`` for batched generation) they are appended after the characters.
+    TinyShakespeare's characters take the 65 ids 0-64 used in the papers. Special tokens are appended after the
+    characters: ``from_text`` adds a padding token ``<pad>`` and an end-of-sequence token ``<eos>`` by default, in
+    this order (``add_eos_and_pad=False`` leaves them out), so that batched generation, transformers' pipelines
+    and lm-eval's scoring work; the constructor adds only the special tokens it is given. No token is inserted
+    into encoded text: like GPT-2's tokenizer, ``tokenizer(text)`` gives the characters' ids only.
 
     Args:
         vocab_file (`str`): JSON file mapping each character to its id.
@@ -47,10 +53,23 @@ class CharTokenizer(PreTrainedTokenizer):
         )
 
     @classmethod
-    def from_text(cls, text: str, save_directory: str, **kwargs) -> "CharTokenizer":
-        """Build the vocabulary from the characters of ``text``; the vocab file is written to ``save_directory``."""
+    def from_text(cls, text: str, save_directory: str, add_eos_and_pad: bool = True, **kwargs) -> "CharTokenizer":
+        """Build the vocabulary from the characters of ``text``; the vocab file is written to ``save_directory``.
+
+        With ``add_eos_and_pad`` (the default), ``pad_token`` and ``eos_token`` default to ``DEFAULT_PAD_TOKEN`` and
+        ``DEFAULT_EOS_TOKEN``, the ids after the characters (and after ``unk_token``, when given); passing either one
+        (``None`` to leave that one out) overrides its default. ``add_eos_and_pad=False``: no special token but
+        those passed, the vocabulary of the characters alone (as tokenizers built before these defaults).
+        """
         if not text:
             raise ValueError("cannot build a character vocabulary from an empty text")
+        if add_eos_and_pad:
+            # Padding is its own token, not the end-of-sequence one as GPT-2 users often set it: a collator that
+            # masks the labels of padding (DataCollatorForLanguageModeling masks every pad id) would otherwise
+            # also mask every real end of sequence, and the model would never learn to stop. A character vocabulary
+            # is built from scratch, so the extra id costs nothing to keep them apart.
+            kwargs.setdefault("eos_token", DEFAULT_EOS_TOKEN)
+            kwargs.setdefault("pad_token", DEFAULT_PAD_TOKEN)
         os.makedirs(save_directory, exist_ok=True)
         vocab_file = os.path.join(save_directory, VOCAB_FILES_NAMES["vocab_file"])
         with open(vocab_file, "w", encoding="utf-8") as handle:

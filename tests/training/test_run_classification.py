@@ -89,7 +89,8 @@ def test_fine_tunes_a_language_model_checkpoint_as_a_classifier_with_gates_and_l
 
     checkpoint = tmp_path / "gpt2"
     text = " ".join(WORDS)
-    tokenizer = CharTokenizer.from_text(text, str(checkpoint), unk_token="<unk>", eos_token="<eos>")
+    # As GPT-2's tokenizer: an end-of-text token and no padding token (the recipe pads with the end-of-text one)
+    tokenizer = CharTokenizer.from_text(text, str(checkpoint), unk_token="<unk>", eos_token="<eos>", pad_token=None)
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=len(tokenizer),
                                bos_token_id=None, eos_token_id=None)).save_pretrained(checkpoint)

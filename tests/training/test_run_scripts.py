@@ -95,6 +95,23 @@ def test_the_char_tokenizer_reads_a_literal_unk_in_the_text_as_characters(tmp_pa
     assert type(tokenizer).from_pretrained(tmp_path)("<unk>")["input_ids"] == ids[2:7]
 
 
+@pytest.mark.parametrize("pad_token, expected_pad", [(None, "<pad>"), ("[PAD]", "[PAD]")],
+                         ids=["run_clm", "a pad token of the recipe's own"])
+def test_the_char_tokenizer_ends_with_unk_pad_and_eos_after_the_characters(pad_token, expected_pad):
+    """The recipes' models are sized to the tokenizer: the characters keep ids 0..n-1 (the data is unchanged) and
+    the special tokens take the three ids after them, so batched generation and lm-eval work with what they save."""
+    text = "to be, or not\n"
+    tokenizer = build_tokenizer(ModelArguments(model_type="gpt2", tokenizer_name="char"), [text], pad_token)
+    characters = len(set(text))
+    assert tokenizer.convert_tokens_to_ids(sorted(set(text))) == list(range(characters))
+    assert [tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id] == [characters, characters + 1,
+                                                                                        characters + 2]
+    assert tokenizer.pad_token == expected_pad and tokenizer.eos_token == "<eos>" and len(tokenizer) == characters + 3
+    assert tokenizer(text)["input_ids"] == tokenizer.convert_tokens_to_ids(list(text))  # nothing added to the text
+    bare = build_tokenizer(ModelArguments(model_type="gpt2", tokenizer_name="char", char_eos_and_pad=False), [text])
+    assert len(bare) == characters + 1 and bare.eos_token is None and bare.unk_token_id == characters
+
+
 def test_config_overrides_read_null_as_none():
     defaults = GPT2Config()
     assert parse_config_overrides("bos_token_id=null,n_layer=2,layer_norm_epsilon=1e-6", defaults) == {

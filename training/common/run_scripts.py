@@ -104,7 +104,13 @@ class ModelArguments:
     tokenizer_name: str | None = field(
         default=None,
         metadata={"help": "Tokenizer folder or Hub id (default: the checkpoint's), or `char`: a character tokenizer "
-                  "(hf_spectral.CharTokenizer) of the characters of the training split, with <unk> for others."},
+                  "(hf_spectral.CharTokenizer) of the characters of the training split, with <unk> for others, then "
+                  "<pad> and <eos> (never in the data: for batched generation and evaluation harnesses)."},
+    )
+    char_eos_and_pad: bool = field(
+        default=True,
+        metadata={"help": "With --tokenizer_name char: add <pad> and <eos> (false: the characters and <unk> only, "
+                  "the vocabulary of runs made before these tokens were added, e.g. to continue a sweep alike)."},
     )
     cache_dir: str | None = field(default=None, metadata={"help": "Where Hub downloads are stored."})
     model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of a Hub checkpoint."})
@@ -511,7 +517,9 @@ def build_config(model_args, **task_fields):
 
 def build_tokenizer(model_args, train_texts=None, pad_token: str | None = None):
     """The tokenizer of --tokenizer_name or of the checkpoint; ``char``: a `CharTokenizer` of the characters of
-    ``train_texts`` (an iterable of strings), with ``<unk>`` for the others and ``pad_token`` when given."""
+    ``train_texts`` (an iterable of strings), with ``<unk>`` for the others, then `CharTokenizer.from_text`'s
+    ``<pad>`` (or ``pad_token`` when given) and ``<eos>``: ids the data never holds (no token is added to the text),
+    so that the trained model generates in batches, through pipelines and under lm-eval."""
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if name == "char":
         from hf_spectral import CharTokenizer
@@ -528,8 +536,9 @@ def build_tokenizer(model_args, train_texts=None, pad_token: str | None = None):
         try:
             # split_special_tokens: a literal "<unk>" in the text (Penn Treebank has thousands) is five characters,
             # not the tokenizer's unknown-token id
-            return CharTokenizer.from_text("".join(sorted(characters)), folder, unk_token="<unk>", pad_token=pad_token,
-                                           split_special_tokens=True)
+            special_tokens = {"unk_token": "<unk>"} | ({"pad_token": pad_token} if pad_token else {})
+            return CharTokenizer.from_text("".join(sorted(characters)), folder, split_special_tokens=True,
+                                           add_eos_and_pad=model_args.char_eos_and_pad, **special_tokens)
         finally:
             shutil.rmtree(folder)
     if name is None:
