@@ -163,7 +163,9 @@ def context_settings(benchmark: str, preset: str, context: int, tokens_per_step:
         raise UsageError(f"--tokens_per_step {tokens_per_step} is not a multiple of the context {context}")
     if context % bucket_width:
         raise UsageError(f"the context {context} is not a multiple of --bucket_width {bucket_width}")
-    settings = {"position_loss_buckets": context // bucket_width}
+    # char_eos_and_pad off: the sweep's first runs were made before run_clm's char tokenizer had eos and pad tokens,
+    # and every run of one table has the same vocabulary (the two ids would change each model's initialisation)
+    settings = {"position_loss_buckets": context // bucket_width, "char_eos_and_pad": False}
     for key in BLOCK_COUNTS:
         if base.get(key) and not (key == "eval_samples_during_training" and args.eval_batches is not None):
             settings[key] = max(1, base[key] * base["block_size"] // context)

@@ -25,7 +25,7 @@ def test_every_context_reads_the_same_tokens_with_the_same_model_and_steps(tmp_p
         assert f"max_position_embeddings={context}," in arguments["config_overrides"]
         assert "num_hidden_layers=4,num_attention_heads=4,hidden_size=128" in arguments["config_overrides"]
         assert arguments["max_steps"] == 800 and arguments["warmup_steps"] == 80 and arguments["seed"] == seed
-        assert arguments["position_loss_buckets"] == context // 16
+        assert arguments["position_loss_buckets"] == context // 16 and arguments["char_eos_and_pad"] is False
         # the blocks evaluated scale with the context: the same tokens (the cpu configuration: 160 and 1000 at 128)
         assert arguments["eval_samples_during_training"] * context == 160 * 128
         assert arguments["train_eval_samples"] * context == 1000 * 128

@@ -82,6 +82,11 @@ def recorded_sweep_runs(path: str, sweep: dict) -> dict:
         recorded_config = dict(record["config"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UsageError(f"--add_to_results {path}: not a table of record ({' '.join(str(error).split())})") from None
+    # The sweep's first runs were recorded before run_clm had char_eos_and_pad, with the vocabulary it now leaves off
+    for found in held.values():
+        if "arguments" in found:
+            found["arguments"] = {"char_eos_and_pad": False, **found["arguments"]}
+    recorded_config = {"char_eos_and_pad": False, **recorded_config}
     wanted = {key: run for key, run in sweep.items() if not run.complete and run.name in held}
     differences = []
     if any("arguments" not in held[run.name] for run in wanted.values()):

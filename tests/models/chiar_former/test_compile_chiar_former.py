@@ -152,8 +152,8 @@ def test_a_compiled_flex_attention_forward_of_a_routed_model_equals_eager():
 
 def test_torch_export_of_a_routed_model_with_a_dynamic_length_equals_eager():
     """torch.export of a padded, threshold-routed forward (DCT / attention; no cache) with the sequence length
-    dynamic: the exported program (static-width layout) gives the eager logits at other lengths. Layouts with RBF
-    mixing export for fixed lengths only (design.md)."""
+    dynamic: the exported program (static-width layout) gives the eager logits at other lengths (every configuration,
+    RBF included, and ONNX: test_export_chiar_former.py)."""
     from torch.export import Dim, export
 
     calibration = random_ids(4, 16, seed=100)
