@@ -276,8 +276,8 @@ def recorded_provenance(recorded: list) -> tuple:
     for run in recorded:
         origin = next((entry for entry in run.source.get("recorded_runs", []) if run.name in entry["runs"]),
                       run.source)
-        key = (origin.get("command"), origin.get("date"))
-        sources.setdefault(key, (origin, []))[1].append(run.name)
+        # by the record itself: two records can share their command and their date to the second
+        sources.setdefault(id(origin), (origin, []))[1].append(run.name)
     extra = {"recorded_runs": [{"runs": names, "command": source.get("command"), "date": source.get("date"),
                                 "hardware": source.get("hardware")} for source, names in sources.values()]}
     notes = "".join(
