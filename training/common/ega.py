@@ -127,11 +127,8 @@ def argument_differences(recorded: dict, planned: dict, ignore: tuple = ()) -> l
             if key not in ignore and compared(key, recorded.get(key)) != compared(key, planned.get(key))]
 
 
-def recorded_runs(path: str, runs: dict) -> dict:
-    """{key: `RecordedRun`} for the runs of ``runs`` ({(variant, statistics, seed): Run}) that are not complete here
-    and that the table of record at ``path`` holds (by name). The record must come from the arguments these runs
-    have: its ``config`` (the arguments of one of its runs) must equal that run's here, the data files by name, and
-    each run it gives must have the same steps; otherwise a `UsageError` names the difference."""
+def read_record(path: str) -> tuple:
+    """(the table of record at ``path``, its runs by name, its configuration); a `UsageError` if it is not one."""
     try:
         with open(path, encoding="utf-8") as handle:
             record = json.load(handle)
@@ -139,6 +136,15 @@ def recorded_runs(path: str, runs: dict) -> dict:
         recorded_config = dict(record["config"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UsageError(f"--add_to_results {path}: not a table of record ({' '.join(str(error).split())})") from None
+    return record, held, recorded_config
+
+
+def recorded_runs(path: str, runs: dict) -> dict:
+    """{key: `RecordedRun`} for the runs of ``runs`` ({(variant, statistics, seed): Run}) that are not complete here
+    and that the table of record at ``path`` holds (by name). The record must come from the arguments these runs
+    have: its ``config`` (the arguments of one of its runs) must equal that run's here, the data files by name, and
+    each run it gives must have the same steps; otherwise a `UsageError` names the difference."""
+    record, held, recorded_config = read_record(path)
     wanted = {key: run for key, run in runs.items() if not run.complete and run.name in held}
     if not wanted:
         return {}

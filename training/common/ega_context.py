@@ -10,7 +10,6 @@ predictions. Only complete runs are read; while some are missing the tables say 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 
@@ -75,13 +74,7 @@ def recorded_sweep_runs(path: str, sweep: dict) -> dict:
     compared argument by argument; for a run of an earlier record without them, the record's configuration (the
     arguments of its first run) is compared with that run's here, and the run's corpus, context, batch, steps, arm and
     seed with its own. Otherwise a `UsageError` names the difference."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            record = json.load(handle)
-        held = {found["run"]: found for found in record["runs"]}
-        recorded_config = dict(record["config"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"--add_to_results {path}: not a table of record ({' '.join(str(error).split())})") from None
+    record, held, recorded_config = ega.read_record(path)
     # The sweep's first runs were recorded before run_clm had char_eos_and_pad, with the vocabulary it now leaves off
     for found in held.values():
         if "arguments" in found:
