@@ -1,14 +1,17 @@
-"""Retrofitted GPT-2 against the original, in the same run: inference and KV-cache generation tokens/s, and the
-size of what the retrofit adds.
+"""A retrofitted model against the original, in the same run: inference, training and KV-cache generation tokens/s,
+and the size of what the retrofit adds; GPT-2-shaped or Llama-shaped (grouped-query keys, RoPE, SwiGLU).
 
     python benchmarks/bench_retrofit.py            # writes results/benchmarks/retrofit_gpt2.{json,md}
+    python benchmarks/bench_retrofit.py --family llama   # writes results/benchmarks/retrofit_llama.{json,md}
     python benchmarks/bench_retrofit.py --quick    # smaller, for a smoke check
     python benchmarks/bench_retrofit.py --compiled-generation   # also: StaticCache + forward compiled, both models
     python benchmarks/bench_retrofit.py --runs 3   # medians of 3 runs, each in a fresh process
 
-The model is GPT-2 small's architecture (12 layers, 12 heads, C = 768, 50,257 tokens) with random weights:
-nothing can be downloaded here, and speed does not depend on the weights. Gates are EGA-1 with causal
-statistics in every layer, as `add_energy_gates` adds them by default.
+The GPT-2 model is GPT-2 small's architecture (12 layers, 12 heads, C = 768, 50,257 tokens); the Llama one has the
+same width and depth with 4 key/value heads, an MLP of 2,048 and 32,000 tokens. Weights are random: nothing can be
+downloaded here, and speed does not depend on the weights. Gates are EGA-1 with causal statistics in every layer, as
+`add_energy_gates` adds them by default, but with α = 1: gates at α = 0 are the identity and, outside training, run
+the stock forward (nothing would be measured).
 """
 
 import argparse
@@ -35,6 +38,7 @@ from benchmarks.timing import (  # noqa: E402
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--family", choices=sorted(CONFIGS), default="gpt2", help="the model's shape")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads (default 1: CPU-time ratios then hold on a machine shared with other jobs)")
     parser.add_argument("--compiled-generation", action="store_true",
@@ -47,11 +51,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from transformers import GPT2Config
-
     from training.results import write_results
 
-    config = GPT2Config(n_layer=4, n_embd=256, n_head=4) if args.quick else GPT2Config()
+    config = CONFIGS[args.family](args.quick)
     batch, length = (2, 64) if args.quick else (4, 256)
     prompt, new_tokens = (16, 8) if args.quick else (32, 32)
     repeats = 3 if args.quick else 9
@@ -60,13 +62,14 @@ def main(argv=None):
         rows, sizes = median_rows(records), records[0]["sizes"]
     else:
         rows, sizes = measure(args, config, batch, length, prompt, new_tokens, repeats)
-    head_dim = config.n_embd // config.n_head
+    head_dim = config.hidden_size // config.num_attention_heads
     kernel_ratio = next(row["ratio_vs_original"] for row in rows
                         if row["measurement"] == "sdpa_kernel_forward" and row["model"] != f"head_{head_dim}")
     reasons = {
         "generate": "each decoding step adds, per layer, the gate's small ops on a few hundred values (energy "
         "projection, moment update, log-sigmoid, the writes of each key's bias and state beside it in the cache: "
         "bound by op dispatch, bench_ega_gpt counts them), and SDPA at the head size takes the bias as its mask",
+        "train": "the backward of the gate's energies, moments and log-sigmoid per layer, and of the folded head",
         "compiled-generate": "compiled, the gate's element-wise work is fused; what stays is its energy projection, "
         "its cache writes and the bias as SDPA's mask",
     }
@@ -88,8 +91,10 @@ def main(argv=None):
         "Ratios are throughput(retrofitted) / throughput(original) from the CPU time of this process "
         "(`sdpa_kernel_forward`: the kernel at the folded head size D + 1 against D, the model's) "
         f"(torch threads: {args.threads}); `wall_ratio_vs_original` is the same from wall-clock time{runs}.\n\n"
-        f"GPT-2 ({config.n_layer} layers, {config.n_head} heads, C = {config.n_embd}) with random weights, SDPA, "
-        f"batch {batch}; forward at T = {length}; greedy generation of {new_tokens} tokens after {prompt} "
+        f"{NAMES[args.family]} ({config.num_hidden_layers} layers, {config.num_attention_heads} heads, "
+        f"{_key_value_heads(config)} key/value heads, C = {config.hidden_size}) with random weights, SDPA, "
+        f"batch {batch}; forward and training step (forward, backward) at T = {length}; greedy generation of "
+        f"{new_tokens} tokens after {prompt} "
         "(`compiled-generate`: with a StaticCache and both models' forward under torch.compile(fullgraph=True)).\n\n"
         "Targets for the retrofitted model:\n" + "\n".join(verdict) + "\n\n"
         f"What the retrofit adds: {sizes['gate_parameters']:,} parameters ({sizes['gate_parameters_per_head']} per "
@@ -97,15 +102,39 @@ def main(argv=None):
         f"{sizes['gates_file_bytes'] / 1024:.1f} KiB."
     )
     write_results(
-        args.out, "retrofit_gpt2_quick" if args.quick else "retrofit_gpt2", rows,
-        title=f"Retrofitted GPT-2 vs the original: {args.runs} runs" if args.runs > 1 else
-        "Retrofitted GPT-2 vs the original, same run",
-        config={"gpt2": config.to_diff_dict(), "batch": batch, "length": length, "prompt": prompt,
+        args.out, f"retrofit_{args.family}_quick" if args.quick else f"retrofit_{args.family}", rows,
+        title=f"Retrofitted {NAMES[args.family]} vs the original: {args.runs} runs" if args.runs > 1 else
+        f"Retrofitted {NAMES[args.family]} vs the original, same run",
+        config={args.family: config.to_diff_dict(), "batch": batch, "length": length, "prompt": prompt,
                 "new_tokens": new_tokens, "repeats": repeats, "threads": args.threads,
                 "compiled_generation": args.compiled_generation, "runs": args.runs},
         seeds=[0], notes=notes, extra={"sizes": sizes},
     )
     print(notes)
+
+
+def _gpt2(quick: bool):
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=4, n_embd=256, n_head=4) if quick else GPT2Config()
+
+
+def _llama(quick: bool):
+    from transformers import LlamaConfig
+
+    if quick:
+        return LlamaConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=688, vocab_size=32000, max_position_embeddings=512)
+    return LlamaConfig(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, num_key_value_heads=4,
+                       intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048)
+
+
+CONFIGS = {"gpt2": _gpt2, "llama": _llama}
+NAMES = {"gpt2": "GPT-2", "llama": "Llama-shaped model"}
+
+
+def _key_value_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def median_rows(records: list[dict]) -> list[dict]:
@@ -123,14 +152,15 @@ def median_rows(records: list[dict]) -> list[dict]:
 
 def measure(args, config, batch, length, prompt, new_tokens, repeats) -> tuple[list[dict], dict]:
     """Time the original and the retrofitted model in alternation; returns the rows and what the retrofit adds."""
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates, save_energy_gates
 
     torch.manual_seed(0)
-    original = GPT2LMHeadModel(config).eval()
+    original = AutoModelForCausalLM.from_config(config).eval()
     original.set_attn_implementation("sdpa")
-    retrofitted = add_energy_gates(copy.deepcopy(original), EnergyGateConfig()).eval()
+    # α = 1: gates that change the attention (at α = 0 an inference call runs the stock forward, the identity)
+    retrofitted = add_energy_gates(copy.deepcopy(original), EnergyGateConfig(alpha_init=1.0)).eval()
     models = {"original": original, "retrofitted": retrofitted}
     data = torch.randint(0, config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
 
@@ -138,6 +168,16 @@ def measure(args, config, batch, length, prompt, new_tokens, repeats) -> tuple[l
         def step():
             with torch.inference_mode():
                 model(input_ids=data, use_cache=False)
+        return step
+
+    def train(model):  # one training step's forward and backward (no optimiser: the same for both models)
+        def step():
+            model.train()
+            try:
+                model(input_ids=data, labels=data, use_cache=False).loss.backward()
+                model.zero_grad(set_to_none=True)
+            finally:
+                model.eval()
         return step
 
     def generate(model, cache_implementation=None):
@@ -154,7 +194,8 @@ def measure(args, config, batch, length, prompt, new_tokens, repeats) -> tuple[l
         model.forward = torch.compile(model.forward, fullgraph=True)
         return generate(model, "static")
 
-    measurements = [("forward", forward, batch * length), ("generate", generate, batch * new_tokens)]
+    measurements = [("forward", forward, batch * length), ("train", train, batch * length),
+                    ("generate", generate, batch * new_tokens)]
     if args.compiled_generation:
         measurements.append(("compiled-generate", compiled_generate, batch * new_tokens))
     rows = []
@@ -171,8 +212,8 @@ def measure(args, config, batch, length, prompt, new_tokens, repeats) -> tuple[l
         print(rows[-2:], flush=True)
 
     # The folded head's cost in torch's SDPA kernel alone (inference, causal, the forward's shape): D vs D + 1.
-    head_dim = config.n_embd // config.n_head
-    kernels = folded_head_kernels(batch, config.n_head, length, head_dim, backward=False)
+    head_dim = config.hidden_size // config.num_attention_heads
+    kernels = folded_head_kernels(batch, config.num_attention_heads, length, head_dim, backward=False)
     times = time_alternating(kernels, repeats)
     for name in kernels:
         rows.append({
@@ -190,7 +231,7 @@ def measure(args, config, batch, length, prompt, new_tokens, repeats) -> tuple[l
         "model_parameters": all_parameters,
         "gate_fraction": gate_parameters / all_parameters,
         "gates_file_bytes": gates_bytes,
-        "gate_parameters_per_head": gate_parameters // (config.n_layer * config.n_head),
+        "gate_parameters_per_head": gate_parameters // (config.num_hidden_layers * _key_value_heads(config)),
     }
     return rows, sizes
 

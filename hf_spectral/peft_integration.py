@@ -13,7 +13,7 @@ copies for the other methods; each tuner class holds one as ``target_module_mapp
   ``get_peft_model(EGAForCausalLM(config), LoraConfig(task_type="CAUSAL_LM"))`` adapts ``c_attn`` as for GPT-2;
 * ``chiar_former`` (LoRA and the methods that share its table): ``q_proj`` and ``kv_proj`` of the attention operator
   and the value projection ``v_proj`` of the RBF operator (DCT mixing has no weights);
-* ``energy_gated_<family>`` (retrofitted GPT-2 / Llama / Mistral / Qwen2): the stock family's entries.
+* ``energy_gated_<type>`` (any retrofitted model): the entries of its stock model type, for every type PEFT has.
 
 **Adapters of gated models.** An adapter trained on a model with energy gates (``add_energy_gates``; the gates train
 next to LoRA through ``modules_to_save=["energy_gate"]`` and are stored in the adapter) needs gates in the model it
@@ -63,7 +63,7 @@ SWITCH_VALUES = {"1": True, "true": True, "on": True, "yes": True,
 
 # Default LoRA targets (LoRA's table and the tables PEFT copies from it).
 CHIAR_LORA_TARGET_MODULES = ["q_proj", "kv_proj", "v_proj"]
-RETROFIT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+RETROFIT_PREFIX = "energy_gated_"  # as hf_spectral.retrofit's model types: energy_gated_<stock model type>
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -101,9 +101,10 @@ def register_peft_target_modules() -> None:
     lora_gpt2 = list(LORA["gpt2"])
     for table in _target_module_tables():
         table.setdefault("ega_gpt", list(table["gpt2"]))
-        for family in RETROFIT_FAMILIES:
-            if family in table:
-                table.setdefault(f"energy_gated_{family}", list(table[family]))
+        # A retrofitted model keeps its stock module names: every family PEFT has defaults for keeps them.
+        for model_type, targets in list(table.items()):
+            if not model_type.startswith(RETROFIT_PREFIX) and isinstance(targets, list):
+                table.setdefault(RETROFIT_PREFIX + model_type, list(targets))
         # CHIAR-Former's names follow Llama's, not GPT-2's: only LoRA-like tables (GPT-2 -> the fused qkv projection)
         if table["gpt2"] == lora_gpt2:
             table.setdefault("chiar_former", list(CHIAR_LORA_TARGET_MODULES))

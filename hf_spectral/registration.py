@@ -13,6 +13,8 @@ char tokenizer imports nothing relatively, so transformers' own mechanism saves 
 
 import transformers
 
+from .ops.remote_code import register_with_auto_class
+
 
 def _auto_table():
     # Imported here so that each model folder stays importable on its own (remote code).
@@ -38,18 +40,6 @@ def _auto_table():
     ]
 
 
-def register_model(config_class, auto_name: str, model_class) -> None:
-    """``transformers.<auto_name>.register(config_class, model_class)``; a causal LM's class name also goes into
-    transformers' table of causal-LM names, which the Auto registration does not touch: Trainer shifts the labels
-    for label smoothing only for models named there, and would otherwise smooth a loss on unshifted labels (each
-    position predicting its own token)."""
-    getattr(transformers, auto_name).register(config_class, model_class, exist_ok=True)
-    if auto_name == "AutoModelForCausalLM":
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(config_class.model_type, model_class.__name__)
-
-
 def register_auto_classes() -> None:
     """Register configs, models and the char tokenizer with the Auto classes (idempotent)."""
     from .tokenization_char import CharTokenizer
@@ -57,11 +47,11 @@ def register_auto_classes() -> None:
     for config_class, models in _auto_table():
         transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         for auto_name, model_class in models.items():
-            register_model(config_class, auto_name, model_class)
+            register_with_auto_class(config_class, auto_name, model_class)
         transformers.AutoTokenizer.register(config_class, slow_tokenizer_class=CharTokenizer, exist_ok=True)
     CharTokenizer.register_for_auto_class("AutoTokenizer")
 
-    from .retrofit import register_energy_gated_models
+    from .retrofit.model import register_energy_gated_models
 
     register_energy_gated_models()
 

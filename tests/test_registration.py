@@ -50,3 +50,46 @@ def test_auto_tokenizer_finds_the_char_tokenizer_from_the_config_alone(config_cl
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert type(tokenizer) is CharTokenizer
     assert tokenizer("cab")["input_ids"] == [2, 0, 1]
+
+
+_CIRCLE = ("hf_spectral.registration", "hf_spectral.peft_integration", "hf_spectral.retrofit")
+
+
+def _imports_of(module_name: str) -> set[str]:
+    """The hf_spectral modules that ``module_name``'s source imports (anywhere in it, functions included), among
+    the three modules of the former import circle."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module_name)
+    paths = [spec.origin]
+    if spec.submodule_search_locations:  # a package: every file of it
+        import pathlib
+
+        paths = [str(path) for location in spec.submodule_search_locations for path in pathlib.Path(location).glob("*.py")]
+    package = module_name if spec.submodule_search_locations else module_name.rpartition(".")[0]
+    found = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")
+                if node.level:
+                    base = base[: len(base) - node.level + 1] if node.level > 1 else base
+                name = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                found.update(other for other in _CIRCLE if name and (name == other or name.startswith(other + ".")))
+    return found - {module_name}
+
+
+def test_registration_peft_integration_and_retrofit_import_in_no_circle():
+    """Each of the three imports alone in a fresh interpreter, and none imports one that imports it back."""
+    import subprocess
+    import sys
+
+    for name in _CIRCLE:
+        result = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, (name, result.stderr[-2000:])
+    edges = {name: _imports_of(name) for name in _CIRCLE}
+    for name, imported in edges.items():
+        for other in imported:
+            assert name not in edges[other], f"{name} imports {other}, which imports {name} back"
+    assert edges["hf_spectral.retrofit"] == set()  # the retrofit needs neither PEFT's helpers nor the registration

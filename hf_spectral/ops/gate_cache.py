@@ -12,11 +12,14 @@ beside the keys, kept in step with them by its methods, so that beam search, cro
 * ``gate_features`` (B, Hk, T, F') in the activation dtype: what the filter energies (conv, Morlet, Daubechies)
   read back of earlier inputs; ``None`` for linear energies.
 
-The layers accepted are those that keep every key as written, at its position: ``DynamicLayer`` and ``StaticLayer``
-(``DynamicCache``, ``StaticCache``, their offloaded forms), and their sliding-window forms as long as the window
-drops no key (the gate's statistics count every earlier token). A layer that alters or moves keys (quantised, or a
-window past its size) is refused, as are keys written into a gated layer without the gate's data (PEFT prefix
-tuning's virtual tokens: the gate cannot continue a cache it did not fill).
+The layers accepted are ``DynamicLayer`` and ``StaticLayer`` (``DynamicCache``, ``StaticCache``, their offloaded
+forms) and their sliding-window forms (Mistral, Gemma 2/3, Starcoder2), also past the window: a sliding layer keeps
+the gate's tensors in a second layer of its own class (`EnergyGateSlidingWindowMixin`), cropped and rolled as the keys
+are, and the gate reads the latest keys' state, which is all its causal statistics and filters need. What cannot work
+past the window (window statistics, which re-bias every earlier key; a filter history longer than the window) is
+refused when the window drops what it needs. A layer that alters keys (quantised) is refused, as are keys written
+into a gated layer without the gate's data (PEFT prefix tuning's virtual tokens: the gate cannot continue a cache it
+did not fill).
 
 Shapes: B batch, Hk key/value heads, T cached positions.
 """
@@ -45,14 +48,8 @@ class EnergyGateCacheLayerMixin(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         """The stock update, after storing what `stage_gate` staged for these keys at their positions."""
-        pending, self._pending_gate = self._pending_gate, None
-        if pending is None:
-            raise ValueError(
-                "keys were written into an energy-gated layer of the KV cache without the gate's data (e.g. PEFT "
-                "prefix tuning's virtual tokens): energy-gated attention can only continue a cache it filled itself"
-            )
+        pending = self._take_staged_gate()
         new = key_states.shape[-2]
-        self._check_keeps_every_key(new)
         if self.is_initialized:  # new keys in the cache's dtype (under autocast, or continued outside it)
             key_states, value_states = as_dtype(key_states, self.keys.dtype), as_dtype(value_states, self.values.dtype)
         if isinstance(self, StaticLayer):
@@ -60,6 +57,15 @@ class EnergyGateCacheLayerMixin(CacheLayerMixin):
         else:
             self._write_dynamic(*pending, new=new)
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def _take_staged_gate(self) -> tuple:
+        pending, self._pending_gate = self._pending_gate, None
+        if pending is None:
+            raise ValueError(
+                "keys were written into an energy-gated layer of the KV cache without the gate's data (e.g. PEFT "
+                "prefix tuning's virtual tokens): energy-gated attention can only continue a cache it filled itself"
+            )
+        return pending
 
     def stage_gate(self, bias: torch.Tensor, state: torch.Tensor | None, features: torch.Tensor | None) -> None:
         """Hand over the gate's data for the keys the next ``update`` writes: ``bias`` (B, Hk, T_new) float32, or
@@ -101,21 +107,6 @@ class EnergyGateCacheLayerMixin(CacheLayerMixin):
         self.gate_state = None if state is None else zeros(state.shape[-1], dtype=state.dtype)
         self.gate_features = None if features is None else zeros(features.shape[-1], dtype=features.dtype)
 
-    def _check_keeps_every_key(self, new: int) -> None:
-        if isinstance(self, DynamicSlidingWindowLayer):
-            dropped = self.cumulative_length + new - (self.sliding_window - 1)
-        elif isinstance(self, StaticSlidingWindowLayer):
-            dropped = self.cumulative_length_int + new - self.max_cache_len
-        else:
-            return
-        if dropped > 0 and not getattr(self, "record_past", False):
-            raise ValueError(
-                f"the KV cache's sliding window would drop {dropped} key(s); energy-gated attention keeps its per-key "
-                "gate state (statistics over every earlier token) in the cache and cannot continue past the window: "
-                "pass `cache=transformers.DynamicCache()` (built without the config, its layers keep every key; the "
-                "attention mask still applies the window). A static cache drops keys past the window too"
-            )
-
     # -- reading -----------------------------------------------------------------------------------------------
 
     def gate_past(self, positions: int | None, new: int, token_mask: torch.Tensor | None):
@@ -145,6 +136,16 @@ class EnergyGateCacheLayerMixin(CacheLayerMixin):
         kept = cached if positions is None else min(positions, cached)
         past = [None if tensor is None else tensor[:, :, cached - kept : cached] for tensor in stored]
         return (*past, None if token_mask is None else token_mask[:, cached - kept : cached + new])
+
+    def holds_acting_bias(self) -> bool:
+        """Whether any key was written with a non-zero bias (a gate whose α was not 0); read on the host."""
+        return self.key_bias is not None and bool(self.key_bias.any())
+
+    def returned_key_bias(self, keys: torch.Tensor) -> torch.Tensor:
+        """The bias of the keys the last ``update`` returned (``keys``): the whole gated layer's (a static layer's
+        keys are its whole length too; window statistics may hold more)."""
+        key_bias = self.key_bias
+        return key_bias if key_bias.shape[-1] == keys.shape[-2] else key_bias[..., : keys.shape[-2]]
 
     # -- keeping the gate's tensors in step with the keys ------------------------------------------------------
 
@@ -201,16 +202,131 @@ class EnergyGatedDynamicLayer(EnergyGateCacheLayerMixin, DynamicLayer):
     """A ``DynamicLayer`` with the energy gate's per-key bias and state."""
 
 
-class EnergyGatedDynamicSlidingWindowLayer(EnergyGateCacheLayerMixin, DynamicSlidingWindowLayer):
-    """A ``DynamicSlidingWindowLayer`` with the energy gate's per-key bias and state, as long as it drops no key."""
-
-
 class EnergyGatedStaticLayer(EnergyGateCacheLayerMixin, StaticLayer):
     """A ``StaticLayer`` with the energy gate's per-key bias and state, allocated at their first write."""
 
 
-class EnergyGatedStaticSlidingWindowLayer(EnergyGateCacheLayerMixin, StaticSlidingWindowLayer):
-    """A ``StaticSlidingWindowLayer`` with the energy gate's per-key bias and state, as long as it drops no key."""
+class EnergyGateSlidingWindowMixin(EnergyGateCacheLayerMixin):
+    """The gated form of a sliding-window layer: the gate's bias, state and features of each key go through a second
+    layer of the same class (``gate_window``), packed as the channels of its "keys", so that they are cropped, rolled
+    and concatenated exactly as the keys are, past the window too. The gate needs only the latest keys' state (the
+    running moments of the last one, the filter history): what the window drops it no longer needs; a gate that needs
+    more (window statistics, or a filter history longer than the window) is refused when the window drops it."""
+
+    gate_window: CacheLayerMixin | None = None
+    _widths: tuple[int, int] = (0, 0)  # channels of the state and of the features in a packed entry
+    _features_dtype: torch.dtype | None = None
+    _returned_bias: torch.Tensor | None = None
+
+    def _new_window(self) -> CacheLayerMixin:
+        if isinstance(self, StaticSlidingWindowLayer):
+            return StaticSlidingWindowLayer(max_cache_len=self.max_cache_len, sliding_window=self.max_cache_len)
+        return DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
+
+    def _seen(self) -> int:
+        """Keys written so far (host int: a sliding layer keeps its length on the host)."""
+        if isinstance(self, StaticSlidingWindowLayer):
+            return self.cumulative_length_int
+        return int(self.cumulative_length)
+
+    def _stored(self) -> torch.Tensor | None:
+        """The packed entries the window keeps, oldest first (a static window's unfilled slots left out)."""
+        window = self.gate_window
+        if window is None or not window.is_initialized:
+            return None
+        kept = min(self._seen(), window.keys.shape[-2])
+        return window.keys[:, :, :kept] if isinstance(window, StaticLayer) else window.keys
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        pending = self._take_staged_gate()
+        bias, state, features = pending
+        new = key_states.shape[-2]
+        if bias.shape[-1] != new:
+            raise ValueError(
+                "energy gates with window statistics re-bias every earlier key and cannot run with a sliding-window "
+                "KV cache layer, which keeps only the latest keys; use `normalization='causal'` or 'none'"
+            )
+        if self.is_initialized:
+            key_states, value_states = as_dtype(key_states, self.keys.dtype), as_dtype(value_states, self.values.dtype)
+        parts = [bias[..., None]] + [at_least_float32(part) for part in (state, features) if part is not None]
+        packed = torch.cat([as_dtype(part, parts[0].dtype) for part in parts], dim=-1)
+        if self.gate_window is None:
+            self.gate_window = self._new_window()
+            self._widths = tuple(0 if part is None else part.shape[-1] for part in (state, features))
+            self._features_dtype = None if features is None else features.dtype
+        returned, _ = self.gate_window.update(packed, packed)
+        self._returned_bias = returned[..., 0]
+        return super(EnergyGateCacheLayerMixin, self).update(key_states, value_states, *args, **kwargs)
+
+    def holds_acting_bias(self) -> bool:
+        stored = self._stored()
+        return stored is not None and bool(stored[..., 0].any())
+
+    def returned_key_bias(self, keys: torch.Tensor) -> torch.Tensor:
+        return self._returned_bias
+
+    def gate_past(self, positions: int | None, new: int, token_mask: torch.Tensor | None):
+        stored = self._stored()
+        seen = self._seen() if stored is not None else 0
+        if stored is None or seen == 0 or self._widths == (0, 0):
+            return None, None, None if token_mask is None else token_mask[:, seen : seen + new]
+        kept = stored.shape[-2]
+        wanted = seen if positions is None else min(positions, seen)
+        if wanted > kept:
+            raise ValueError(
+                f"the KV cache's sliding window keeps {kept} key(s) and the energy gate needs the state of the latest "
+                f"{wanted} (its filter history or window statistics): use a gate with a shorter filter or causal "
+                "statistics, or a KV cache without a sliding window"
+            )
+        entries = stored[:, :, kept - wanted :]
+        state_width, features_width = self._widths
+        state = entries[..., 1 : 1 + state_width] if state_width else None
+        features = entries[..., 1 + state_width :] if features_width else None
+        if features is not None:
+            features = as_dtype(features, self._features_dtype)
+        return state, features, None if token_mask is None else token_mask[:, seen - wanted : seen + new]
+
+    # The window layer is a cache layer: it keeps itself in step with the keys through the same methods.
+    def _apply_to_window(self, method: str, *args) -> None:
+        if self.gate_window is not None and self.gate_window.is_initialized:
+            getattr(self.gate_window, method)(*args)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._apply_to_window("reorder_cache", beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self._apply_to_window("crop", tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._apply_to_window("batch_repeat_interleave", repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._apply_to_window("batch_select_indices", indices)
+
+    def reset(self) -> None:
+        super().reset()
+        self._apply_to_window("reset")
+        self._returned_bias = None
+
+    def offload(self):
+        super().offload()
+        self._apply_to_window("offload")
+
+    def prefetch(self):
+        super().prefetch()
+        self._apply_to_window("prefetch")
+
+
+class EnergyGatedDynamicSlidingWindowLayer(EnergyGateSlidingWindowMixin, DynamicSlidingWindowLayer):
+    """A ``DynamicSlidingWindowLayer`` with the energy gate's per-key bias and state, cropped with the keys."""
+
+
+class EnergyGatedStaticSlidingWindowLayer(EnergyGateSlidingWindowMixin, StaticSlidingWindowLayer):
+    """A ``StaticSlidingWindowLayer`` with the energy gate's per-key bias and state, rolled with the keys."""
 
 
 GATED_LAYER_CLASSES = {
@@ -219,6 +335,19 @@ GATED_LAYER_CLASSES = {
     StaticLayer: EnergyGatedStaticLayer,
     StaticSlidingWindowLayer: EnergyGatedStaticSlidingWindowLayer,
 }
+
+
+def can_hold_gate(cache, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` of ``cache`` is, or can become, an energy-gated layer (`gated_cache_layer`)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return False
+    if layer_idx >= len(layers):
+        return getattr(cache, "layer_class_to_replicate", None) in GATED_LAYER_CLASSES
+    layer = layers[layer_idx]
+    if isinstance(layer, EnergyGateCacheLayerMixin):
+        return True
+    return type(layer) in GATED_LAYER_CLASSES and not (layer.is_initialized and int(layer.get_seq_length()) > 0)
 
 
 def gated_cache_layer(cache, layer_idx: int):
@@ -257,19 +386,18 @@ def update_gated_cache(cache, layer_idx: int, key, value, bias, state, features,
     layer = gated_cache_layer(cache, layer_idx)
     layer.stage_gate(bias, state, features)
     keys, values = cache.update(key, value, layer_idx, *args, **kwargs)
-    key_bias = layer.key_bias
-    if key_bias.shape[-1] != keys.shape[-2]:  # a static layer's keys are its whole length too; a window returns more
-        key_bias = key_bias[..., : keys.shape[-2]]
-    return as_dtype(keys, key.dtype), as_dtype(values, value.dtype), key_bias
+    return as_dtype(keys, key.dtype), as_dtype(values, value.dtype), layer.returned_key_bias(keys)
 
 
 __all__ = [
     "GATED_LAYER_CLASSES",
     "EnergyGateCacheLayerMixin",
+    "EnergyGateSlidingWindowMixin",
     "EnergyGatedDynamicLayer",
     "EnergyGatedDynamicSlidingWindowLayer",
     "EnergyGatedStaticLayer",
     "EnergyGatedStaticSlidingWindowLayer",
+    "can_hold_gate",
     "gated_cache_layer",
     "update_gated_cache",
 ]

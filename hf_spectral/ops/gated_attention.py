@@ -172,6 +172,16 @@ def _additive_mask(module, attention_mask, query: torch.Tensor, key: torch.Tenso
     return attention_mask[..., :kv_length]
 
 
+def mask_with_key_bias(module, attention_mask, query: torch.Tensor, key: torch.Tensor, key_bias: torch.Tensor):
+    """The additive mask (B, H, Tq, Tk) of an eager attention call with the key bias (B, Hk, Tk) added: what a
+    family's own eager attention adds to its scores (after its soft-capping and scaling), so that it runs gated."""
+    mask = _additive_mask(module, attention_mask, query, key)
+    groups = _key_value_groups(module, query, key)
+    bias = key_bias if groups == 1 else key_bias.repeat_interleave(groups, dim=1)
+    bias = as_dtype(bias[:, :, None, :], query.dtype)
+    return bias if mask is None else mask + bias
+
+
 def flex_attention_with_key_bias(
     module: nn.Module,
     query: torch.Tensor,
@@ -181,9 +191,11 @@ def flex_attention_with_key_bias(
     attention_mask,
     scaling: float,
     dropout: float = 0.0,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``flex_attention`` (transformers' compiled kernel) with a ``score_mod`` adding ``key_bias[b, h, kv_idx]``."""
+    """``flex_attention`` (transformers' compiled kernel) with a ``score_mod`` adding ``key_bias[b, h, kv_idx]``
+    (after soft-capping the scores, where ``softcap`` is given: Gemma 2)."""
     if dropout > 0:
         raise ValueError(
             "`flex_attention` does not support attention dropout: use it for inference (`model.eval()`) or set the "
@@ -205,6 +217,8 @@ def flex_attention_with_key_bias(
     bias = None if key_bias is None else as_dtype(key_bias, query.dtype).contiguous()  # the CPU template reads it flat
 
     def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+        if softcap is not None:  # as the stock flex attention: the cap first, then the bias (a gate of probabilities)
+            score = softcap * torch.tanh(score / softcap)
         if bias is not None:
             score = score + bias[batch_idx, head_idx // groups, kv_idx]
         if score_mask is not None:
@@ -238,11 +252,18 @@ def _static_cpu_flex_attention():
     """flex_attention compiled for static shapes, for CPU. transformers compiles it once and lets recompilations
     make shapes dynamic; with dynamic sizes, torch 2.13's CPU flex template cannot build a kernel whose score or
     mask function reads a captured tensor (the gate's bias, transformers' padding mask): the C++ does not compile.
-    Static shapes recompile per shape instead (and run uncompiled past dynamo's recompilation limit)."""
+    Static shapes recompile per shape instead (and run uncompiled past dynamo's recompilation limit).
+
+    On a CPU without AVX-512 flex_attention runs uncompiled (torch's reference implementation, exact but unfused):
+    there torch 2.13's compiled CPU kernel computes wrong values for some shapes (plain ``torch.compile
+    (flex_attention)``, no mask nor score_mod: queries and keys (3, 3, 8, 8) miss the reference by 0.46 on an AVX2
+    EPYC, while (1, 1, 8, 8) and (3, 3, 9, 9) match it), see docs/design.md."""
     if not _STATIC_CPU_FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _STATIC_CPU_FLEX.append(torch.compile(flex_attention, dynamic=False))
+        if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512"):
+            flex_attention = torch.compile(flex_attention, dynamic=False)
+        _STATIC_CPU_FLEX.append(flex_attention)
     return _STATIC_CPU_FLEX[0]
 
 
@@ -274,7 +295,9 @@ def attention_with_key_bias(
     if implementation == "eager":
         return eager_attention_with_key_bias(module, query, key, value, key_bias, attention_mask, scaling, dropout)
     if implementation == "flex_attention":
-        return flex_attention_with_key_bias(module, query, key, value, key_bias, attention_mask, scaling, dropout)
+        return flex_attention_with_key_bias(
+            module, query, key, value, key_bias, attention_mask, scaling, dropout, softcap=kwargs.get("softcap")
+        )
     attend = ALL_ATTENTION_FUNCTIONS[implementation]
     if key_bias is None:
         return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -304,6 +327,7 @@ __all__ = [
     "attention_with_key_bias",
     "implementation_for_call",
     "key_bias_as_mask",
+    "mask_with_key_bias",
     "sdpa_decoding_step_with_key_bias",
     "eager_attention_with_key_bias",
     "flex_attention_forward",

@@ -54,6 +54,18 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 MINIMUM_TRANSFORMERS = "5.24.0"
 
 
+def register_with_auto_class(config_class, auto_name: str, model_class) -> None:
+    """``transformers.<auto_name>.register(config_class, model_class)``; a causal LM's class name also goes into
+    transformers' table of causal-LM names, which the Auto registration does not touch: Trainer shifts the labels
+    for label smoothing only for models named there (and would otherwise smooth a loss on unshifted labels), and
+    pipelines take only the models named there."""
+    getattr(transformers, auto_name).register(config_class, model_class, exist_ok=True)
+    if auto_name == "AutoModelForCausalLM":
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(config_class.model_type, model_class.__name__)
+
+
 def check_transformers_version(version: str) -> None:
     """Raise an ``ImportError`` naming both versions when transformers ``version`` is older than the models need.
     Every configuration and modeling file imports this file, in the package and in a saved checkpoint's code, so an

@@ -3,7 +3,7 @@
     from transformers import AutoModelForCausalLM
     from hf_spectral.retrofit import EnergyGateConfig, add_energy_gates, mark_only_gates_trainable
 
-    model = AutoModelForCausalLM.from_pretrained("path/or/hub-id")   # GPT-2, Llama, Mistral or Qwen2
+    model = AutoModelForCausalLM.from_pretrained("path/or/hub-id")   # any decoder-only family of transformers
     add_energy_gates(model, EnergyGateConfig())    # α = 0: logits are unchanged
     mark_only_gates_trainable(model)               # then train with Trainer / accelerate
     model.save_pretrained("gated")                 # config.json records the gates
@@ -28,14 +28,13 @@ other adapters see ``base`` unchanged; the same holds for ``AutoPeftModelFor*``,
 transformers' ``model.load_adapter``. When the gates cannot be restored (gates configured differently, gates that
 live in a gated base checkpoint) loading raises a ``ValueError`` saying what to do. ``hf_spectral.peft_integration``
 tells how (it wraps those loaders and ``PeftModel.save_pretrained``) and how to switch it off;
-``load_gated_adapter(base, "adapter")`` does the same explicitly.
+``hf_spectral.peft_integration.load_gated_adapter(base, "adapter")`` does the same explicitly.
 
 A gates-only file (a few kilobytes): ``save_energy_gates(model, "gates.safetensors")`` and
 ``load_energy_gates(model, "gates.safetensors")``, which refuses a file made for another model and leaves the model
 unchanged when it refuses.
 """
 
-from ..peft_integration import load_gated_adapter
 from .config import EnergyGateConfig
 from .model import (
     add_energy_gates,
@@ -46,19 +45,18 @@ from .model import (
     register_energy_gated_models,
     remove_energy_gates,
     save_energy_gates,
-    supported_families,
+    check_supported,
 )
 
 __all__ = [
     "EnergyGateConfig",
     "add_energy_gates",
+    "check_supported",
     "gated_attention_modules",
     "has_energy_gates",
-    "load_gated_adapter",
     "load_energy_gates",
     "mark_only_gates_trainable",
     "register_energy_gated_models",
     "remove_energy_gates",
     "save_energy_gates",
-    "supported_families",
 ]

@@ -146,7 +146,10 @@ def main(argv=None) -> int:
 
     import transformers
 
-    from .model import add_energy_gates, family_of_class
+    import torch
+
+    from .model import add_energy_gates, check_supported
+    from .modeling_energy_gated import check_class_supported
 
     try:
         config = AutoConfig.from_pretrained(args.src)
@@ -162,7 +165,10 @@ def main(argv=None) -> int:
         return _fail(f"cannot tell the model class of {args.src}: config.architectures={architectures!r} does not "
                      "start with the name of a transformers model class")
     try:
-        family_of_class(model_class)
+        # Checked on the meta device, from the config alone: an unsupported model is refused before any weight loads.
+        check_class_supported(model_class)
+        with torch.device("meta"):
+            check_supported(model_class(config))
     except ValueError as error:
         return _fail(str(error))
     try:

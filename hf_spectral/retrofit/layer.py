@@ -20,6 +20,7 @@ later ``model.set_attn_implementation(...)`` keeps working.
 
 import copy
 import inspect
+import sys
 
 import torch
 from transformers import AttentionInterface
@@ -28,8 +29,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from ..ops.energy_gate import padding_mask
-from ..ops.gate_cache import gated_cache_layer, update_gated_cache
-from ..ops.gated_attention import attention_with_key_bias
+from ..ops.gate_cache import EnergyGateCacheLayerMixin, can_hold_gate, gated_cache_layer, update_gated_cache
+from ..ops.gated_attention import attention_with_key_bias, mask_with_key_bias
 from ..ops.packing import PACKED_KWARGS, check_not_packed, packed_rows
 
 logger = logging.get_logger(__name__)
@@ -37,6 +38,8 @@ logger = logging.get_logger(__name__)
 GATED_PREFIX = "energy_gated_"
 TOKEN_MASK_KEYWORD = "energy_gate_token_mask"  # the decoder's padding mask, on its way to the gated attention calls
 DOCUMENTS_KEYWORD = "energy_gate_document_positions"  # packed rows: each token's index in its document, likewise
+# The names stock attention forwards give their KV cache argument (newest first).
+CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past", "past_key_value")
 
 
 def _gated_attention_function(backend: str):
@@ -44,7 +47,11 @@ def _gated_attention_function(backend: str):
         module, query, key, value, attention_mask, scaling=None, dropout=0.0, energy_gate_bias=None,
         energy_gate_cache=None, **kwargs,
     ):
-        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if kwargs.get("s_aux") is not None:
+            raise ValueError(
+                f"energy gates do not support attention sinks (`s_aux`, {type(module).__name__}): a sink is a key no "
+                "gate has an energy for"
+            )
         if backend != "eager" and kwargs.pop("output_attentions", False):
             # As in the stock model (EGA-GPT instead runs such a call through eager): a model gated in some layers
             # only would otherwise return probabilities for those layers alone, a list not one entry per layer.
@@ -54,6 +61,14 @@ def _gated_attention_function(backend: str):
             )
         if energy_gate_cache is not None:  # keys and values from the KV cache: the bias of every cached key
             energy_gate_bias = energy_gate_cache.key_bias
+        family_eager = getattr(type(module), "family_eager_attention", None)
+        if backend == "eager" and family_eager is not None and not getattr(module, "reorder_and_upcast_attn", False):
+            # The family's own eager attention, the gate's log-bias added to its additive mask: whatever else it
+            # does to the scores (soft-capping, its scaling, upcasting) stays as in the stock model.
+            if energy_gate_bias is not None:
+                attention_mask = mask_with_key_bias(module, attention_mask, query, key, energy_gate_bias)
+            return family_eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return attention_with_key_bias(
             module, backend, query, key, value, energy_gate_bias, attention_mask, scaling, dropout, **kwargs
         )
@@ -131,11 +146,16 @@ class EnergyGatedAttentionMixin:
         return _new_gated_attention, (self.stock_class,), self.__dict__
 
     def forward(self, *args, **kwargs):
-        token_mask = kwargs.pop(TOKEN_MASK_KEYWORD, None)
-        document_positions = kwargs.pop(DOCUMENTS_KEYWORD, None)
-        if "past_key_values" in kwargs:  # the name transformers deprecates in favour of `cache`
-            kwargs["cache"] = kwargs.pop("past_key_values")
-        if len(args) > 1:  # rare: bind to the stock signature to find `cache` among positional arguments
+        stash = getattr(self, "energy_gate_stash", None) or {}
+        # The decoder's padding mask and document positions, passed down by the decoder layers; layers that pass no
+        # keyword arguments to their attention (Falcon, StableLM) leave them to what the decoder's hook last saw.
+        token_mask = kwargs.pop(TOKEN_MASK_KEYWORD, stash.get(TOKEN_MASK_KEYWORD))
+        document_positions = kwargs.pop(DOCUMENTS_KEYWORD, stash.get(DOCUMENTS_KEYWORD))
+        cache_name = self.cache_argument
+        for name in CACHE_ARGUMENTS:  # the cache under the name this family's attention takes
+            if name != cache_name and name in kwargs:
+                kwargs[cache_name] = kwargs.pop(name)
+        if len(args) > 1:  # rare: bind to the stock signature to find the cache among positional arguments
             bound = self.stock_signature.bind(*args, **kwargs)
             extra = {}
             for name, parameter in self.stock_signature.parameters.items():
@@ -143,7 +163,10 @@ class EnergyGatedAttentionMixin:
                     extra = bound.arguments.pop(name, {})
             args, kwargs = (), {**extra, **bound.arguments}
         hidden_states = args[0] if args else kwargs["hidden_states"]
-        cache = kwargs.get("cache")
+        cache = kwargs.get(cache_name)
+        identity = self._is_identity(cache)
+        if identity and (cache is None or not can_hold_gate(cache, self.layer_idx)):
+            return super().forward(*args, **kwargs)  # the stock attention, untouched: bit-exact
         past_state = past_features = None
         if cache is not None:  # each key's bias and gate state live beside it, in the cache's gated layer
             past_state, past_features, token_mask = gated_cache_layer(cache, self.layer_idx).gate_past(
@@ -159,8 +182,32 @@ class EnergyGatedAttentionMixin:
         if cache is None:
             kwargs["energy_gate_bias"] = bias
         else:
-            kwargs["cache"] = kwargs["energy_gate_cache"] = GatedKVCache(cache, bias, state, features)
+            kwargs[cache_name] = GatedKVCache(cache, bias, state, features)
+            # An identity gate still fills the cache's gated layer (its bias is exactly 0), so that a later step
+            # that runs the gate (compiled, or after α was trained) continues the cache; its attention stays stock.
+            if not identity:
+                kwargs["energy_gate_cache"] = kwargs[cache_name]
         return super().forward(*args, **kwargs)
+
+    def _is_identity(self, cache) -> bool:
+        """Whether this call's gate is the identity, so that the stock forward can run: every α is 0 (read on the
+        host; not while compiling, where that would break the graph), no gradient is asked of the gate, and no key
+        of this layer's cache holds a non-zero bias (keys written while α was not 0 keep their bias)."""
+        if torch.compiler.is_compiling():
+            return False
+        alpha = self.energy_gate.alpha
+        if torch.is_grad_enabled() and alpha.requires_grad:
+            return False
+        if bool(alpha.detach().any()):
+            return False
+        if cache is not None:
+            layers = getattr(cache, "layers", None)
+            if layers is None:
+                return False
+            layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
+            if isinstance(layer, EnergyGateCacheLayerMixin) and layer.holds_acting_bias():
+                return False
+        return True
 
 
 _GATED_ATTENTION_CLASSES: dict[type, type] = {}
@@ -183,12 +230,17 @@ def gated_attention_class(stock_class: type) -> type:
     if issubclass(stock_class, EnergyGatedAttentionMixin):
         return stock_class
     if stock_class not in _GATED_ATTENTION_CLASSES:
+        signature = _signature_without_self(stock_class.forward)
+        eager = getattr(sys.modules.get(stock_class.__module__), "eager_attention_forward", None)
         gated = type(
             f"EnergyGated{stock_class.__name__}",
             (EnergyGatedAttentionMixin, stock_class),
             {
                 "stock_class": stock_class,
-                "stock_signature": _signature_without_self(stock_class.forward),
+                "stock_signature": signature,
+                "cache_argument": next((name for name in CACHE_ARGUMENTS if name in signature.parameters), "cache"),
+                # the eager attention beside the stock class (None: the shared one in ops/gated_attention.py)
+                "family_eager_attention": staticmethod(eager) if callable(eager) else None,
                 "__module__": __name__,
             },
         )
@@ -196,7 +248,7 @@ def gated_attention_class(stock_class: type) -> type:
     return _GATED_ATTENTION_CLASSES[stock_class]
 
 
-_PACKING_ARGUMENTS = ("input_ids", "inputs_embeds", "position_ids", "cache", "past_key_values")
+_PACKING_ARGUMENTS = ("input_ids", "inputs_embeds", "position_ids", *CACHE_ARGUMENTS)
 
 
 class TokenMaskHook:
@@ -229,6 +281,10 @@ class TokenMaskHook:
         self.input_positions = {name: names.index(name) for name in inputs if name in names}
         self.argument_positions = {name: names.index(name) for name in _PACKING_ARGUMENTS if name in names}
         self.pools_rows = False
+        # The mask and document positions of the latest call, for attention modules whose decoder layer does not
+        # pass keyword arguments on (Falcon, StableLM). Only there does a recomputation under gradient checkpointing
+        # after a forward on another batch read that batch's: such layers give no other way in.
+        self.stash = {}
 
     def __call__(self, module, args, kwargs):
         if not hasattr(self, "input_positions"):  # a hook pickled before it counted sequences: GPT-2's count them
@@ -243,7 +299,10 @@ class TokenMaskHook:
         kwargs = {**kwargs, TOKEN_MASK_KEYWORD: padding_mask(mask)}
         if not hasattr(self, "argument_positions"):  # a hook pickled before packed rows were read
             self.argument_positions, self.pools_rows = {}, False
-        return args, self._with_documents(module, args, kwargs, mask)
+        kwargs = self._with_documents(module, args, kwargs, mask)
+        stash = self.__dict__.setdefault("stash", {})
+        stash[TOKEN_MASK_KEYWORD], stash[DOCUMENTS_KEYWORD] = kwargs[TOKEN_MASK_KEYWORD], kwargs.get(DOCUMENTS_KEYWORD)
+        return args, kwargs
 
     def _argument(self, name, args, kwargs):
         value = kwargs.get(name)

@@ -19,17 +19,21 @@ from safetensors.torch import save_file
 from ..file_permissions import apply_umask
 from .config import EnergyGateConfig, gate_structure
 from .layer import EnergyGatedAttentionMixin
-from .modeling_energy_gated import (  # noqa: F401  (family_of_class, init_energy_gates: used by the CLI and tests)
+from .modeling_energy_gated import (  # noqa: F401  (check_supported, init_energy_gates: used by the CLI and tests)
+    GATED_TYPE_PREFIX,
     EnergyGatedModelMixin,
-    family_of,
-    family_of_class,
+    UnsupportedModelError,
+    attention_layers,
+    check_config_supported,
+    check_is_model,
+    check_supported,
+    decoder_of,
+    gate_heads,
     gated_config_class,
     gated_model_class,
     init_energy_gates,
-    supported_families,
+    stock_class_of,
 )
-from .modeling_energy_gated import attention_layers as _attention_layers
-from .modeling_energy_gated import decoder_of as _decoder_of
 from .modeling_energy_gated import inject_energy_gates as _inject
 
 GATES_FILE_METADATA_KEY = "hf_spectral_energy_gates"
@@ -41,15 +45,53 @@ GATES_FILE_FORMAT_VERSION = 1  # of the description in the metadata; a reader re
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def register_energy_gated_models() -> None:
-    """Register ``energy_gated_<family>`` configs and models with the Auto classes (run on ``import hf_spectral``)."""
-    from ..registration import register_model
+class _LazyGatedConfig:
+    """Stands in for ``EnergyGated<Config>`` of one causal-LM model type in ``AutoConfig``'s table until it is used:
+    registering the real classes for every model type would import every family's modeling code on
+    ``import hf_spectral``. Reading a config (``from_dict``, ``from_pretrained``) or building one builds the real
+    class, which then takes this one's place in the table (`gated_config_class` registers it)."""
 
-    for family in supported_families():
-        config_class = gated_config_class(family)
-        transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
-        for auto_name, stock_class in family.model_classes.items():
-            register_model(config_class, auto_name, gated_model_class(stock_class))
+    model_type: str  # energy_gated_<stock type>
+    stock_type: str
+
+    @classmethod
+    def real(cls) -> type:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        return gated_config_class(CONFIG_MAPPING[cls.stock_type])
+
+    def __new__(cls, *args, **kwargs):
+        return cls.real()(*args, **kwargs)
+
+    @classmethod
+    def from_dict(cls, *args, **kwargs):
+        return cls.real().from_dict(*args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        return cls.real().from_pretrained(*args, **kwargs)
+
+    @classmethod
+    def get_config_dict(cls, *args, **kwargs):
+        return cls.real().get_config_dict(*args, **kwargs)
+
+
+def register_energy_gated_models() -> None:
+    """Register an ``energy_gated_<type>`` config with ``AutoConfig`` for every causal-LM model type of transformers
+    (run on ``import hf_spectral``; cheap: a stand-in each, no family's code imported). The gated model classes are
+    registered with ``AutoModel*`` when a family's gated config is first built."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for stock_type in list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        if stock_type.startswith(GATED_TYPE_PREFIX) or stock_type not in CONFIG_MAPPING:
+            continue
+        gated_type = GATED_TYPE_PREFIX + stock_type
+        if gated_type in CONFIG_MAPPING._extra_content:  # the real class (or a stand-in) is there already
+            continue
+        stand_in = type(f"LazyEnergyGatedConfig_{stock_type}", (_LazyGatedConfig,),
+                        {"model_type": gated_type, "stock_type": stock_type, "__module__": __name__})
+        transformers.AutoConfig.register(gated_type, stand_in, exist_ok=True)
 
 
 def _is_gated_attention(module) -> bool:
@@ -79,11 +121,12 @@ def add_energy_gates(model, config: EnergyGateConfig | None = None):
     config = config or EnergyGateConfig()
     if not isinstance(config, EnergyGateConfig):
         raise TypeError(f"config must be an EnergyGateConfig, got {type(config).__name__}")
-    family = family_of(model)
+    check_is_model(model)
     if has_energy_gates(model):
         raise ValueError("this model already has energy gates; call remove_energy_gates(model) first")
-    decoder = _decoder_of(model, family)
-    attentions = _attention_layers(decoder, family)
+    check_supported(model)
+    decoder = decoder_of(model)
+    attentions = attention_layers(decoder)
     before = {
         "attentions": [(attention, type(attention), attention.__dict__.get("config")) for attention in attentions],
         "config": model.config,
@@ -91,9 +134,9 @@ def add_energy_gates(model, config: EnergyGateConfig | None = None):
     }
     try:
         before["repointed"] = _give_own_config(model)
-        _inject(model, family, config)
+        _inject(model, config)
         model.config.energy_gates = config.to_dict()
-        model.config.__class__ = gated_config_class(family, type(model.config))
+        model.config.__class__ = gated_config_class(type(model.config))
         init_energy_gates(model)
         model.__class__ = gated_model_class(type(model))
     except BaseException:
@@ -119,7 +162,7 @@ def _restore(model, decoder, before: dict) -> None:
     for module in before.get("repointed", ()):
         module.config = before["config"]
     for attention, attention_class, attention_config in before["attentions"]:
-        for name in ("energy_gate", "energy_gate_heads"):
+        for name in ("energy_gate", "energy_gate_heads", "energy_gate_stash"):
             if hasattr(attention, name):
                 delattr(attention, name)
         attention.__class__ = attention_class
@@ -137,14 +180,14 @@ def remove_energy_gates(model):
     gated = gated_attention_modules(model)
     if not gated:
         raise ValueError("this model has no energy gates")
-    family = family_of(model)
     _give_own_config(model)  # a model made with `from_config(gated.config)` shares the gated model's
     for attention in gated:
         del attention.energy_gate
         del attention.energy_gate_heads
+        attention.__dict__.pop("energy_gate_stash", None)
         attention.config = model.config  # (its view showed the shared config)
         attention.__class__ = type(attention).stock_class
-    decoder = _decoder_of(model, family)
+    decoder = decoder_of(model)
     decoder._energy_gate_hook.remove()
     del decoder._energy_gated_attentions, decoder._energy_gate_hook
     del model.config.energy_gates
@@ -196,15 +239,22 @@ def _architecture(model) -> str:
 
 
 def _gates_description(model) -> dict:
-    family = family_of(model)
     return {
         "format_version": GATES_FILE_FORMAT_VERSION,
-        "model_type": family.model_type,
+        **_gates_shape(model),
         "architecture": _architecture(model),
-        "hidden_size": model.config.hidden_size,
-        "gate_heads": family.gate_heads(model.config),
-        "num_attention_layers": len(_attention_layers(_decoder_of(model, family), family)),
         "config": dict(model.config.energy_gates),
+    }
+
+
+def _gates_shape(model) -> dict:
+    """What a gates file must match in a model: its family, width, key/value heads and attention layers."""
+    stock = stock_class_of(type(model.config))
+    return {
+        "model_type": stock.model_type if stock is not None else model.config.model_type,
+        "hidden_size": model.config.get_text_config().hidden_size,
+        "gate_heads": gate_heads(model),
+        "num_attention_layers": len(attention_layers(decoder_of(model))),
     }
 
 
@@ -310,13 +360,10 @@ def load_energy_gates(model, path: str):
     modules, same parameters (gates added for the check are removed again).
     """
     tensors, saved = _read_gates_file(path)
-    family = family_of(model)
-    expected = {
-        "model_type": family.model_type,
-        "hidden_size": model.config.hidden_size,
-        "gate_heads": family.gate_heads(model.config),
-        "num_attention_layers": len(_attention_layers(_decoder_of(model, family), family)),
-    }
+    check_is_model(model)
+    if not has_energy_gates(model):
+        check_supported(model)
+    expected = _gates_shape(model)
     for key, value in expected.items():
         if saved.get(key) != value:
             raise ValueError(f"{path} was made for a model with {key}={saved.get(key)!r}, this model has {value!r}")

@@ -106,16 +106,27 @@ def test_a_static_layer_reads_its_latest_keys_at_its_on_device_length():
     assert past_state is None and past_features is None and torch.equal(valid, token_mask[:, 4:])
 
 
-def test_layers_that_drop_or_alter_keys_and_keys_without_gate_data_are_refused():
+def test_sliding_window_layers_crop_the_gate_data_with_their_keys():
+    """Past the window, dynamic and static: each returned key comes with its own bias, and the gate reads back the
+    state and features of the keys the window keeps, the latest ones (beyond them the gate needs nothing)."""
     generator = torch.Generator().manual_seed(0)
-    window = _Cache(DynamicSlidingWindowLayer(sliding_window=5))  # keeps 4 keys
-    update_gated_cache(window, 0, *_written(generator, new=3))
-    with pytest.raises(ValueError, match="sliding window would drop 1 key"):
-        update_gated_cache(window, 0, *_written(generator, new=2))
-    static_window = _Cache(StaticSlidingWindowLayer(max_cache_len=16, sliding_window=7))  # holds 7 keys
-    update_gated_cache(static_window, 0, *_written(generator, new=7))
-    with pytest.raises(ValueError, match="sliding window would drop 1 key"):
-        update_gated_cache(static_window, 0, *_written(generator, new=1))
+    for layer, steps, kept in ((DynamicSlidingWindowLayer(sliding_window=5), (3, 2, 1), 4),
+                               (StaticSlidingWindowLayer(max_cache_len=16, sliding_window=7), (7, 1, 1), 7)):
+        cache = _Cache(layer)
+        chunks = [_written(generator, new=new) for new in steps]
+        for chunk in chunks:
+            keys, _, key_bias = update_gated_cache(cache, 0, *chunk)
+        written_keys, _, written_bias, written_state, written_features = (torch.cat(parts, 2) for parts in zip(*chunks))
+        returned = keys.shape[-2]
+        assert torch.equal(keys, written_keys[:, :, -returned:])  # the stock layer's keys, past the window
+        assert torch.equal(key_bias, written_bias[..., -returned:])  # each key its own bias
+        state, features, _ = cache.layers[0].gate_past(kept, 1, None)
+        assert torch.equal(state, written_state[:, :, -kept:]) and torch.equal(features, written_features[:, :, -kept:])
+        with pytest.raises(ValueError, match="sliding window keeps .* key"):  # a filter longer than the window
+            cache.layers[0].gate_past(kept + 1, 1, None)
+
+
+def test_layers_that_alter_keys_and_keys_without_gate_data_are_refused():
     class OtherLayer(DynamicLayer):  # e.g. a quantised layer: keys altered as they are stored
         pass
 

@@ -33,7 +33,7 @@ from transformers import (
 
 import hf_spectral  # noqa: F401  (registers the energy-gated model types)
 from hf_spectral.ops import gated_attention
-from hf_spectral.retrofit.modeling_energy_gated import EnergyGatedLlamaForCausalLM, family_of_class
+from hf_spectral.retrofit.modeling_energy_gated import EnergyGatedLlamaForCausalLM, check_class_supported
 from hf_spectral.retrofit import (
     EnergyGateConfig,
     add_energy_gates,
@@ -170,9 +170,10 @@ def test_static_cache_generation_matches_the_forward(family, backend, tmp_path):
         torch.testing.assert_close(step_logits, full[:, ids.shape[1] - 1 + step], atol=1e-5, rtol=0)
 
 
-def test_a_static_cache_with_a_sliding_window_generates_while_the_window_drops_no_key(tmp_path):
-    """Mistral's configs carry a sliding window (4096 in Mistral-7B-v0.1): a static cache then has sliding layers,
-    which keep every key while the generation fits in the window; past it, a clear error."""
+def test_a_static_cache_with_a_sliding_window_generates_inside_and_past_the_window(tmp_path):
+    """Mistral's configs carry a sliding window (4096 in Mistral-7B-v0.1): a static cache then has sliding layers;
+    inside the window and past it, the gated generation is the one without a cache (the gate's bias and state are
+    rolled with the keys)."""
     torch.manual_seed(0)
     config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4096,
@@ -184,12 +185,10 @@ def test_a_static_cache_with_a_sliding_window_generates_while_the_window_drops_n
     static = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static")
     assert torch.equal(static, dynamic)
     model.config.sliding_window = 14  # the prompt (12) and two new tokens fit, the third does not
-    with pytest.raises(ValueError, match=r"window would drop 1 key.*cache=transformers.DynamicCache\(\)"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation="static")
-    # The way out the error names: a cache whose layers keep every key; the mask still applies the window
-    kept = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=DynamicCache())
     uncached = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=False)
-    assert torch.equal(kept, uncached)
+    for options in (dict(cache_implementation="static"), {}, dict(cache=DynamicCache())):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **options),
+                           uncached)
 
 
 def test_a_static_cache_decoding_step_of_a_retrofitted_gpt2_has_no_graph_break(tmp_path):
@@ -207,6 +206,39 @@ def test_a_static_cache_decoding_step_of_a_retrofitted_gpt2_has_no_graph_break(t
         explanation = torch._dynamo.explain(model)(ids[:, -1:], attention_mask=step_mask, cache=cache, use_cache=True)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("cache_class", ["dynamic", "static"])
+def test_a_compiled_decoding_step_continues_a_cache_an_identity_gate_filled_eagerly(tmp_path, cache_class):
+    """generate() compiles the decoding steps and runs the prefill eagerly: a fresh gate (α = 0) takes the stock
+    attention there (bit-exact), and must still leave the gate's data in the cache for the compiled steps, which
+    always run the gate. The stock model's cache is the reference: the same keys, and logits within 1e-5."""
+    from transformers import DynamicCache, StaticCache
+
+    stock = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g")).eval()
+    model = deepcopy(stock)
+    add_energy_gates(model)
+    ids, mask, _ = padded_batch()
+    step_mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    positions = (step_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def new_cache():
+        return DynamicCache() if cache_class == "dynamic" else StaticCache(config=model.config, max_cache_len=20)
+
+    with torch.no_grad():
+        caches, logits = [], []
+        for net in (stock, model):
+            cache = new_cache()
+            prefill = net(ids, attention_mask=mask, position_ids=positions[:, :-1], cache=cache, use_cache=True)
+            logits.append(prefill.logits)
+            caches.append(cache)
+        assert torch.equal(logits[1], logits[0])  # the identity gate's prefill is the stock attention's
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        step = compiled(ids[:, -1:], attention_mask=step_mask, position_ids=positions[:, -1:], cache=caches[1],
+                        use_cache=True).logits
+        reference = stock(ids[:, -1:], attention_mask=step_mask, position_ids=positions[:, -1:], cache=caches[0],
+                          use_cache=True).logits
+    torch.testing.assert_close(step, reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(INDUCTOR_ISA_FORCED, reason=INDUCTOR_SKIP_REASON)
@@ -657,7 +689,7 @@ def test_only_the_chosen_heads_are_gated(tmp_path):
 
 def test_unsupported_models_and_bad_configs_are_refused(tmp_path):
     bert = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="BertModel: its attention is bidirectional.*decoder-only"):
         add_energy_gates(bert)
     model = AutoModelForCausalLM.from_pretrained(gpt2_checkpoint(tmp_path / "g"))
     with pytest.raises(ValueError, match="layers"):
@@ -683,9 +715,9 @@ def test_unsupported_models_and_bad_configs_are_refused(tmp_path):
      "'GPT2LMHeadModel' (str)"), (5, "5 (int)")],
 )
 def test_a_value_that_is_no_model_class_or_model_is_refused_naming_it(not_a_model, named):
-    with pytest.raises(TypeError, match=re.escape(f"go into a model class (such as GPT2LMHeadModel), not {named}")):
-        family_of_class(not_a_model)
-    with pytest.raises(TypeError, match=re.escape(f"(a torch.nn.Module such as GPT2LMHeadModel), not {named}")):
+    with pytest.raises(TypeError, match=re.escape(f"go into a model class (such as LlamaForCausalLM), not {named}")):
+        check_class_supported(not_a_model)
+    with pytest.raises(TypeError, match=re.escape(f"(a torch.nn.Module such as LlamaForCausalLM), not {named}")):
         add_energy_gates(not_a_model)
 
 
@@ -693,7 +725,7 @@ def test_a_model_class_instead_of_a_model_is_refused_with_what_to_do():
     with pytest.raises(TypeError, match=re.escape("not the class GPT2LMHeadModel (build the model first)")):
         add_energy_gates(GPT2LMHeadModel)
     with pytest.raises(ValueError, match="energy gates cannot be added to GPT2Config"):  # a class, but no model's
-        family_of_class(GPT2Config)
+        check_class_supported(GPT2Config)
 
 
 def test_command_line_writes_a_retrofitted_copy(tmp_path):

@@ -358,16 +358,25 @@ def test_drafts_and_chunked_prefill_give_the_greedy_tokens_and_are_refused_under
             assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False, **assistance), greedy)
 
 
-def test_caches_that_drop_keys_are_refused():
+def test_a_sliding_window_cache_continues_causal_statistics_and_refuses_window_statistics():
+    """A cache whose layers slide (a user's choice: EGA-GPT has no window of its own) keeps the latest keys: the causal
+    statistics need only the last key's running moments and continue past the window; window statistics re-bias every
+    earlier key, which the window no longer holds, and are refused naming the way out."""
     from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
     ids = padded_batch()[0][:, 5:]
-    model = tiny_model("EGA-1")
-    cache = DynamicCache(config=model.config)
-    cache.layers = [DynamicSlidingWindowLayer(sliding_window=4) for _ in cache.layers]
-    with torch.no_grad(), pytest.raises(ValueError, match="sliding window would drop 6 key"):
-        out = model(ids, cache=cache, use_cache=True)
-        model(ids[:, -1:], cache=out.cache, use_cache=True)
+    for normalization in ("causal", "window"):
+        model = tiny_model("EGA-1", energy_normalization=normalization)
+        cache = DynamicCache(config=model.config)
+        cache.layers = [DynamicSlidingWindowLayer(sliding_window=4) for _ in cache.layers]
+        with torch.no_grad():
+            out = model(ids, cache=cache, use_cache=True)
+            if normalization == "causal":
+                step = model(ids[:, -1:], cache=out.cache, use_cache=True)
+                assert torch.isfinite(step.logits).all() and cache.layers[0].keys.shape[-2] == 3  # window - 1 kept
+            else:
+                with pytest.raises(ValueError, match="sliding window keeps 3 key.* causal statistics"):
+                    model(ids[:, -1:], cache=out.cache, use_cache=True)
 
 
 def test_window_statistics_decode_alike_with_dynamic_and_static_caches():
