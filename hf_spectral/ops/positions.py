@@ -77,15 +77,43 @@ def padding_of_causal_mask(mask: torch.Tensor, length: int | torch.Tensor | None
     return tokens
 
 
-def keep_padding_mask_for_generate(attention_mask=None, **kwargs):
-    """``create_masks_for_generate`` of the models whose forward needs the 2D padding mask itself: hands it through.
+def fixed_cache_width(cache) -> int | None:
+    """The key slots of a cache whose size is fixed ahead (a ``StaticCache``: its widest layer's ``max_cache_len``),
+    ``None`` for a cache that grows (``DynamicCache``) or no cache."""
+    if cache is None or not getattr(cache, "is_compileable", False):
+        return None
+    widths = [getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ())]
+    widths = [width for width in widths if isinstance(width, int)]
+    return max(widths) if widths else None
+
+
+def mask_width_is_valid(width: int, past_length: int, length: int, cache) -> bool:
+    """Whether a 2D padding mask of ``width`` columns fits ``past_length`` cached and ``length`` new positions: exactly
+    those, or, for a cache of fixed size, its every slot (`keep_padding_mask_for_generate`)."""
+    return width == past_length + length or (width == fixed_cache_width(cache) and past_length + length <= width)
+
+
+def keep_padding_mask_for_generate(attention_mask=None, cache=None, **kwargs):
+    """``create_masks_for_generate`` of the models whose forward needs the 2D padding mask itself: hands it through,
+    for a cache of fixed size padded with zeros to the cache's width.
 
     For a ``StaticCache`` generate() builds the attention backend's mask ahead of the forward: a 4D tensor, or a
     flex_attention ``BlockMask``, from which the padding cannot be read back. The energy gates' statistics and
     CHIAR-Former's routing skip padding, and the forwards of EGA-GPT, CHIAR-Former and retrofitted models build the
-    backend's mask from the 2D one themselves (with transformers' mask functions, inside a compiled graph too)."""
+    backend's mask from the 2D one themselves (with transformers' mask functions, inside a compiled graph too). The
+    zero columns are the cache's empty slots: the mask has the same shape at every decoding step, as the stock
+    models' 4D mask has, so that a compiled decoding step is one graph (a growing mask is recompiled for at the step
+    that fills the cache, where transformers' padding of a shorter mask stops being needed)."""
+    width = fixed_cache_width(cache)
+    if (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.ndim == 2
+        and width is not None
+        and attention_mask.shape[-1] < width
+    ):
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, width - attention_mask.shape[-1]))
     return attention_mask
 
 
-__all__ = ["host_length", "host_reads_are_free", "keep_padding_mask_for_generate", "new_positions",
-           "padding_of_causal_mask", "token_positions"]
+__all__ = ["fixed_cache_width", "host_length", "host_reads_are_free", "keep_padding_mask_for_generate",
+           "mask_width_is_valid", "new_positions", "padding_of_causal_mask", "token_positions"]

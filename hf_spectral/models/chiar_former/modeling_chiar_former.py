@@ -64,6 +64,7 @@ from ...ops.positions import (
     host_length,
     host_reads_are_free,
     keep_padding_mask_for_generate,
+    mask_width_is_valid,
     new_positions,
     padding_of_causal_mask,
     token_positions,
@@ -802,7 +803,8 @@ class ChiarModel(ChiarPreTrainedModel):
         if attention_mask is not None:
             width = f"cached + {length}" if known_length is None else known_length + length
             if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length or (
-                known_length is not None and attention_mask.shape[1] != width
+                known_length is not None
+                and not mask_width_is_valid(attention_mask.shape[1], known_length, length, cache)
             ):
                 cached = "?" if known_length is None else known_length
                 raise ValueError(

@@ -47,6 +47,7 @@ from ...ops.positions import (
     host_length,
     host_reads_are_free,
     keep_padding_mask_for_generate,
+    mask_width_is_valid,
     new_positions,
     token_positions,
 )
@@ -254,7 +255,7 @@ class EGAPreTrainedModel(PreTrainedModel):
         return save_pretrained_with_code(super().save_pretrained, self, save_directory, *args, **kwargs)
 
 
-def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past_length) -> None:
+def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past_length, cache=None) -> None:
     """Refuse inputs the model would otherwise mishandle silently, with the argument and the shapes."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -274,7 +275,7 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids,
         if attention_mask.ndim == 2:
             width = f"cached + {length}" if past_length is None else past_length + length
             if attention_mask.shape[0] != batch or attention_mask.shape[1] < length or (
-                past_length is not None and attention_mask.shape[1] != width
+                past_length is not None and not mask_width_is_valid(attention_mask.shape[1], past_length, length, cache)
             ):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)}, expected (batch, cached + new) = "
@@ -363,7 +364,7 @@ class EGAModel(EGAPreTrainedModel):
         **kwargs,
     ) -> EGAModelOutputWithPast:
         past_length = cache.get_seq_length() if cache is not None else 0
-        check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past_length)
+        check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past_length, cache)
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
         batch, length = inputs_embeds.shape[:2]
