@@ -337,17 +337,30 @@ GATED_LAYER_CLASSES = {
 }
 
 
+def _refusal(layer, layer_idx: int) -> str | None:
+    """Why layer ``layer_idx`` (not yet gated) cannot become an energy-gated layer, or ``None`` if it can."""
+    if type(layer) not in GATED_LAYER_CLASSES:
+        return (
+            f"energy-gated attention keeps per-key gate state in its KV cache and needs every key kept as written; "
+            f"a {type(layer).__name__} does not: use a DynamicCache or a StaticCache"
+        )
+    if layer.is_initialized and int(layer.get_seq_length()) > 0:
+        return (
+            f"layer {layer_idx}'s KV cache holds keys written without the energy gate's data (e.g. PEFT prefix "
+            "tuning's virtual tokens): energy-gated attention can only continue a cache it filled itself"
+        )
+    return None
+
+
 def can_hold_gate(cache, layer_idx: int) -> bool:
     """Whether layer ``layer_idx`` of ``cache`` is, or can become, an energy-gated layer (`gated_cache_layer`)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         return False
-    if layer_idx >= len(layers):
+    if layer_idx >= len(layers):  # `gated_cache_layer` adds it, new and empty
         return getattr(cache, "layer_class_to_replicate", None) in GATED_LAYER_CLASSES
     layer = layers[layer_idx]
-    if isinstance(layer, EnergyGateCacheLayerMixin):
-        return True
-    return type(layer) in GATED_LAYER_CLASSES and not (layer.is_initialized and int(layer.get_seq_length()) > 0)
+    return isinstance(layer, EnergyGateCacheLayerMixin) or _refusal(layer, layer_idx) is None
 
 
 def gated_cache_layer(cache, layer_idx: int):
@@ -360,16 +373,9 @@ def gated_cache_layer(cache, layer_idx: int):
     layer = cache.layers[layer_idx]
     if isinstance(layer, EnergyGateCacheLayerMixin):
         return layer
-    if type(layer) not in GATED_LAYER_CLASSES:
-        raise ValueError(
-            f"energy-gated attention keeps per-key gate state in its KV cache and needs every key kept as written; "
-            f"a {type(layer).__name__} does not: use a DynamicCache or a StaticCache"
-        )
-    if layer.is_initialized and int(layer.get_seq_length()) > 0:
-        raise ValueError(
-            f"layer {layer_idx}'s KV cache holds keys written without the energy gate's data (e.g. PEFT prefix "
-            "tuning's virtual tokens): energy-gated attention can only continue a cache it filled itself"
-        )
+    refusal = _refusal(layer, layer_idx)
+    if refusal is not None:
+        raise ValueError(refusal)
     # A new object of the gated class, holding what the layer held (a static layer initialised ahead keeps its
     # tensors and their addresses): not a __class__ assignment, which torch.compile cannot trace.
     gated_class = GATED_LAYER_CLASSES[type(layer)]
