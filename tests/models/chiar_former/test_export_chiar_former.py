@@ -2,7 +2,9 @@
 dynamo exporter) run by onnxruntime, give eager's logits for every router (threshold, hard, soft), both operator
 sets (DCT / attention and DCT / RBF / attention), sparse and dense execution, the single-operator layouts and the
 bidirectional classifier, padded batches included. The configurations share one export (one program running them
-all): routing, the gathered layout of routed tokens and the RBF prefix sums are traced with the length symbolic."""
+all): routing, the gathered layout of routed tokens and the RBF prefix sums are traced with the length symbolic.
+Each model has one layer of the kind it tests (a routed layer, or one of each single operator): exporting costs
+seconds per layer on a small CPU, and the layers of a stack are exported alike."""
 
 from hf_spectral import ChiarForCausalLM, ChiarForSequenceClassification
 from tests.helpers import EveryModel, assert_exports_with_dynamic_batch_and_length, padded_inputs
@@ -10,13 +12,18 @@ from tests.models.chiar_former.chiar_testing import CAUSAL_VARIANTS, VOCAB, buil
 
 ROUTED = {
     f"{router}-{'/'.join(operators)}-{execution}": dict(router_type=router, routed_operators=list(operators),
-                                                        routed_execution=execution)
+                                                        routed_execution=execution, layer_operators=["routed"],
+                                                        num_hidden_layers=1)
     for router in ("threshold", "hard", "soft")
     for operators in (("dct", "attention"), ("dct", "rbf", "attention"))
     for execution in ("sparse", "dense")
 }
-OTHERS = {name: overrides for name, overrides in CAUSAL_VARIANTS.items()
-          if name in ("dct-only", "rbf-only", "attention-only", "pre-ln-threshold-3", "fft-dct")}
+OTHERS = {
+    **{f"{operator}-only": dict(layer_operators=[operator], num_hidden_layers=1)
+       for operator in ("dct", "rbf", "attention")},
+    **{name: dict(CAUSAL_VARIANTS[name], layer_operators=["routed"], num_hidden_layers=1)
+       for name in ("pre-ln-threshold-3", "fft-dct")},
+}
 
 
 def test_every_configuration_exports_to_onnx_with_a_dynamic_batch_and_length(tmp_path):
@@ -24,7 +31,8 @@ def test_every_configuration_exports_to_onnx_with_a_dynamic_batch_and_length(tmp
     models = [build(ChiarForCausalLM, tiny_config(**overrides), seed=index, calibrate_on=calibration)
               for index, overrides in enumerate([*ROUTED.values(), *OTHERS.values()])]
     models.append(build(ChiarForSequenceClassification,
-                        tiny_config(is_causal=False, num_labels=3, routed_operators=["dct", "rbf", "attention"]),
+                        tiny_config(is_causal=False, num_labels=3, routed_operators=["dct", "rbf", "attention"],
+                                    layer_operators=["dct", "routed", "attention"], num_hidden_layers=3),
                         calibrate_on=calibration))
     # lengths below, at and past a chunk of the RBF prefix sums (8 here), a routed layout of one token included
     cases = [padded_inputs(batch, length, VOCAB, seed=length, low=2)
