@@ -10,20 +10,21 @@ from hf_spectral import ChiarForCausalLM, ChiarForSequenceClassification
 from tests.helpers import EveryModel, assert_exports_with_dynamic_batch_and_length, padded_inputs
 from tests.models.chiar_former.chiar_testing import CAUSAL_VARIANTS, VOCAB, build, random_ids, tiny_config
 
+
+def one_layer(overrides):
+    """The configuration cut to the first of its layers (a routed one unless it names others)."""
+    return dict(overrides, layer_operators=overrides.get("layer_operators", ["routed"])[:1], num_hidden_layers=1)
+
+
 ROUTED = {
-    f"{router}-{'/'.join(operators)}-{execution}": dict(router_type=router, routed_operators=list(operators),
-                                                        routed_execution=execution, layer_operators=["routed"],
-                                                        num_hidden_layers=1)
+    f"{router}-{'/'.join(operators)}-{execution}": one_layer(dict(router_type=router, routed_operators=list(operators),
+                                                                  routed_execution=execution))
     for router in ("threshold", "hard", "soft")
     for operators in (("dct", "attention"), ("dct", "rbf", "attention"))
     for execution in ("sparse", "dense")
 }
-OTHERS = {
-    **{f"{operator}-only": dict(layer_operators=[operator], num_hidden_layers=1)
-       for operator in ("dct", "rbf", "attention")},
-    **{name: dict(CAUSAL_VARIANTS[name], layer_operators=["routed"], num_hidden_layers=1)
-       for name in ("pre-ln-threshold-3", "fft-dct")},
-}
+OTHERS = {name: one_layer(CAUSAL_VARIANTS[name])
+          for name in ("dct-only", "rbf-only", "attention-only", "pre-ln-threshold-3", "fft-dct")}
 
 
 def test_every_configuration_exports_to_onnx_with_a_dynamic_batch_and_length(tmp_path):
